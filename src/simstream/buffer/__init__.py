@@ -1,0 +1,1 @@
+"""Shared trajectory storage, the eligibility index and the producer write protocol."""

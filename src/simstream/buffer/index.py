@@ -1,0 +1,139 @@
+"""The eligibility index: per-row run tables that producers write at publication.
+
+This is the only code that knows which windows may be sampled. For every row it keeps, per sampling
+mode, the maximal runs of frames a window may lie in:
+
+* ``episode`` runs: valid frames with one continuity id ``>= 0``;
+* ``segment`` runs: valid, accepted frames with one continuity id and one segment id ``>= 0``;
+* ``boundary`` points: each segment change ``p`` inside an accepted run ``[s, e)`` (valid, accepted, one
+  continuity id); a window ``[t, t + C)`` crosses it when ``s <= t``, ``t + C <= e`` and ``t < p < t + C``.
+
+A window of ``C`` frames starting at ``t`` is eligible in ``episode``/``segment`` mode iff
+``lo <= t <= hi - C`` for one run ``[lo, hi)``. Tables are computed by the producer (O(T) per row, outside
+any lock) so that sampling costs O(batch) instead of rebuilding masks over the whole buffer.
+
+Consistency is a per-row seqlock: ``version[r]`` is odd while row ``r`` is being written. A reader notes
+the (even) version, reads tables and frames, and re-reads the version; if it changed, the read is discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["EPISODE", "SEGMENT", "EligibilityIndex", "RowTables", "compute_row_tables"]
+
+EPISODE, SEGMENT = 0, 1
+"""Run modes of the run tables; boundary sampling has its own tables."""
+
+
+@dataclass(frozen=True)
+class RowTables:
+    """Run tables of one row, ready to publish."""
+
+    runs: tuple[np.ndarray, np.ndarray]
+    """Per run mode (episode, segment): an ``[n, 2]`` int array of ``[lo, hi)`` runs."""
+    boundaries: np.ndarray
+    """``[m, 3]`` int array of ``(p, s, e)``: segment change ``p`` inside accepted run ``[s, e)``."""
+    valid_frames: int
+
+
+def _runs(ok: np.ndarray, key: np.ndarray) -> np.ndarray:
+    n = len(ok)
+    if n == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    cut = np.ones(n + 1, dtype=bool)
+    cut[1:n] = (key[1:] != key[:-1]) | (ok[1:] != ok[:-1])
+    edges = np.flatnonzero(cut)
+    starts, ends = edges[:-1], edges[1:]
+    keep = ok[starts]
+    return np.stack([starts[keep], ends[keep]], axis=1)
+
+
+def compute_row_tables(continuity: np.ndarray, segment_id: np.ndarray, accepted: np.ndarray) -> RowTables:
+    """Run tables of one row from the metadata of its ``length`` valid frames."""
+    length = len(continuity)
+    in_region = continuity >= 0
+    episode = _runs(in_region, continuity)
+    in_segment = in_region & (segment_id >= 0) & accepted
+    segment = _runs(in_segment, continuity * (length + 1) + segment_id)
+    accepted_runs = _runs(in_region & accepted, continuity)
+    points = []
+    for lo, hi in accepted_runs:
+        changes = np.flatnonzero(segment_id[lo + 1 : hi] != segment_id[lo : hi - 1]) + lo + 1
+        points.extend((int(p), int(lo), int(hi)) for p in changes)
+    boundaries = np.array(points, dtype=np.int64).reshape(-1, 3)
+    return RowTables(runs=(episode, segment), boundaries=boundaries, valid_frames=length)
+
+
+class EligibilityIndex:
+    """Shared per-row tables: seqlock versions, generations, run tables and boundary points.
+
+    Owns only integers (a few ``[buffer_size, T]`` int32 tables); it never touches frames. Producers call
+    :meth:`begin_write` / :meth:`write_tables` / :meth:`end_write` on the rows they own; samplers read.
+    """
+
+    def __init__(self, buffer_size: int, max_steps: int) -> None:
+        rows, steps = buffer_size, max_steps
+        self.buffer_size, self.max_steps = rows, steps
+        self.version = torch.zeros(rows, dtype=torch.int64).share_memory_()
+        self.generation = torch.full((rows,), -1, dtype=torch.int64).share_memory_()
+        self.episode_id = torch.full((rows,), -1, dtype=torch.int64).share_memory_()
+        self.valid_frames = torch.zeros(rows, dtype=torch.int64).share_memory_()
+        self.run_lo = torch.zeros((2, rows, steps), dtype=torch.int32).share_memory_()
+        self.run_hi = torch.zeros((2, rows, steps), dtype=torch.int32).share_memory_()
+        self.num_runs = torch.zeros((2, rows), dtype=torch.int32).share_memory_()
+        self.longest_run = torch.zeros((2, rows), dtype=torch.int32).share_memory_()
+        # boundary points: (p, s, e) per change point, plus the longest accepted run holding one
+        self.point = torch.zeros((3, rows, steps), dtype=torch.int32).share_memory_()
+        self.num_points = torch.zeros(rows, dtype=torch.int32).share_memory_()
+        self.longest_point_run = torch.zeros(rows, dtype=torch.int32).share_memory_()
+
+    # -- producer side ---------------------------------------------------------------------------------
+    def begin_write(self, start: int, end: int) -> None:
+        """Make rows ``[start, end)`` odd (unsampleable) before anything of them changes."""
+        self.version[start:end] += 1
+        self.num_runs[:, start:end] = 0
+        self.longest_run[:, start:end] = 0
+        self.num_points[start:end] = 0
+        self.longest_point_run[start:end] = 0
+        self.valid_frames[start:end] = 0
+        self.generation[start:end] = -1
+        self.episode_id[start:end] = -1
+
+    def write_tables(self, row: int, tables: RowTables) -> None:
+        """Store one row's tables (the row must be odd)."""
+        for mode, runs in enumerate(tables.runs):
+            n = len(runs)
+            self.num_runs[mode, row] = n
+            if n:
+                self.run_lo[mode, row, :n] = torch.from_numpy(runs[:, 0])
+                self.run_hi[mode, row, :n] = torch.from_numpy(runs[:, 1])
+                self.longest_run[mode, row] = int((runs[:, 1] - runs[:, 0]).max())
+        points = tables.boundaries
+        m = len(points)
+        self.num_points[row] = m
+        if m:
+            for k in range(3):
+                self.point[k, row, :m] = torch.from_numpy(points[:, k])
+            self.longest_point_run[row] = int((points[:, 2] - points[:, 1]).max())
+        self.valid_frames[row] = tables.valid_frames
+
+    def end_write(self, start: int, end: int, generation: int, episode_ids: torch.Tensor) -> None:
+        """Publish rows ``[start, end)``: stamp generation and episode ids, then make them even."""
+        self.generation[start:end] = generation
+        self.episode_id[start:end] = episode_ids
+        self.version[start:end] += 1
+
+    # -- reader side -----------------------------------------------------------------------------------
+    def stable_rows(self) -> torch.Tensor:
+        """Bool mask of rows not being written right now."""
+        return (self.version & 1) == 0
+
+    def longest(self, mode: str) -> torch.Tensor:
+        """Per row, the longest window any start may have in ``mode`` (0: nothing sampleable)."""
+        if mode == "boundary":
+            return self.longest_point_run
+        return self.longest_run[EPISODE if mode == "episode" else SEGMENT]

@@ -1,0 +1,116 @@
+"""The shared trajectory buffer: one shared-memory tensor per key, ``[buffer_size * T + 1, *frame]``.
+
+Frames are stored flat (row-major: frame ``t`` of row ``r`` is ``r * T + t``) so a chunk is a run of
+consecutive indices and a batch is one ``index_select`` per key. One extra frame at the end holds the
+padding values; context windows point their padded positions at it, so padding costs no extra pass.
+Memory is allocated once, in the owner, and reaches workers and consumers by pickling (file descriptors).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from ..config import METADATA_KEYS, PROVENANCE_KEYS, SourceLayout
+
+__all__ = ["KeySpec", "TrajectoryStorage"]
+
+_LANGUAGE_AND_PROVENANCE = {"task_index", "subtask_index", *PROVENANCE_KEYS}
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One stored key: nested path, dtype, per-frame shape and whether a source writes it."""
+
+    path: tuple[str, ...]
+    dtype: torch.dtype
+    frame_shape: tuple[int, ...]
+    payload: bool
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.path)
+
+    @property
+    def unwritten(self) -> float | int | bool:
+        """Value of a frame nobody wrote: NaN for float payloads, False, -1 for int metadata."""
+        if self.payload:
+            return math.nan if self.dtype.is_floating_point else 0
+        return False if self.dtype == torch.bool else -1
+
+    @property
+    def padding(self) -> int | bool:
+        """Value of a padded context position: -1 for language/provenance ids, else zero/False."""
+        if self.name in _LANGUAGE_AND_PROVENANCE:
+            return -1
+        return False if self.dtype == torch.bool else 0
+
+
+class TrajectoryStorage:
+    """Owns the shared tensors of every key (payload, metadata, optional provenance).
+
+    Invariants: ``flat[key]`` has ``buffer_size * T + 1`` frames; the last one always holds the padding
+    values. Rows are written only by the producer that owns them (see :mod:`simstream.buffer.writer`).
+    """
+
+    def __init__(self, layout: SourceLayout, buffer_size: int, include_provenance: bool) -> None:
+        self.buffer_size = buffer_size
+        self.max_steps = layout.max_episode_steps
+        specs = [
+            KeySpec(tuple(name.split("/")), f.dtype, tuple(f.shape), True)
+            for name, f in layout.fields.items()
+        ]
+        specs += [KeySpec((name,), dtype, (), False) for name, dtype in METADATA_KEYS.items()]
+        if include_provenance:
+            specs += [KeySpec((name,), torch.int64, (), False) for name in PROVENANCE_KEYS]
+        self.specs: tuple[KeySpec, ...] = tuple(specs)
+        frames = buffer_size * self.max_steps
+        self.flat: dict[tuple[str, ...], torch.Tensor] = {}
+        for spec in self.specs:
+            tensor = torch.empty((frames + 1, *spec.frame_shape), dtype=spec.dtype)
+            tensor[:frames].fill_(spec.unwritten)
+            tensor[frames].fill_(spec.padding)
+            self.flat[spec.path] = tensor.share_memory_()
+
+    @property
+    def pad_index(self) -> int:
+        """Flat index of the padding frame."""
+        return self.buffer_size * self.max_steps
+
+    def rows_view(self, start: int = 0, end: int | None = None, *, payload_only: bool = False) -> TensorDict:
+        """A TensorDict ``[end - start, T]`` viewing the shared rows (writes go to shared memory)."""
+        end = self.buffer_size if end is None else end
+        frames = self.buffer_size * self.max_steps
+        data: dict = {}
+        for spec in self.specs:
+            if payload_only and not spec.payload:
+                continue
+            view = self.flat[spec.path][:frames].view(self.buffer_size, self.max_steps, *spec.frame_shape)
+            _nest(data, spec.path, view[start:end])
+        return TensorDict(data, batch_size=[end - start, self.max_steps])
+
+    def metadata(self, name: str) -> torch.Tensor:
+        """The ``[buffer_size, T]`` view of one top-level metadata key."""
+        return self.flat[(name,)][: self.pad_index].view(self.buffer_size, self.max_steps)
+
+    def has(self, name: str) -> bool:
+        return (name,) in self.flat
+
+    def iter_specs(self, payload: bool | None = None) -> Iterator[KeySpec]:
+        return (s for s in self.specs if payload is None or s.payload == payload)
+
+    def invalidate_rows(self, start: int, end: int) -> None:
+        """Reset rows ``[start, end)`` to the unwritten state (metadata and payload poison)."""
+        lo, hi = start * self.max_steps, end * self.max_steps
+        for spec in self.specs:
+            self.flat[spec.path][lo:hi].fill_(spec.unwritten)
+
+
+def _nest(tree: dict, path: tuple[str, ...], value: torch.Tensor) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value

@@ -1,0 +1,156 @@
+"""The producer's write protocol: claim rows, derive metadata from episode reports, publish.
+
+A window of rows moves through three steps, all done by the worker that owns the rows:
+
+1. :meth:`EpisodeWriter.claim` makes the rows odd in the index (no sampler picks them any more) and resets
+   them to the unwritten state;
+2. the source writes payload frames, the engine checks its report, then :meth:`EpisodeWriter.write`
+   derives every metadata key and the run tables (still invisible to samplers);
+3. :meth:`EpisodeWriter.publish` stamps provenance and makes the rows even: from then on they are sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sources import Episode
+from .index import EligibilityIndex, RowTables, compute_row_tables
+from .storage import TrajectoryStorage
+
+__all__ = ["EpisodeWriter", "PublishedWindow", "derive_row_metadata"]
+
+UNKNOWN_TASK = "unknown_task"
+
+
+@dataclass(frozen=True)
+class PublishedWindow:
+    """What a publication stamped, for the lifecycle log and the quota table."""
+
+    start: int
+    end: int
+    generation: int
+    episode_ids: torch.Tensor
+    published_monotonic_ns: int
+
+
+def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, np.ndarray]:
+    """Every metadata key of one row's ``episode.length`` valid frames, as numpy arrays."""
+    length = episode.length
+    segments = list(episode.segments) or [_WholeEpisode(length)]
+    segment_id = np.full(length, -1, dtype=np.int64)
+    segment_step = np.full(length, -1, dtype=np.int64)
+    accepted = np.zeros(length, dtype=bool)
+    segment_start = np.zeros(length, dtype=bool)
+    segment_end = np.zeros(length, dtype=bool)
+    task_text = episode.instruction or UNKNOWN_TASK
+    task = language.intern(task_text, kind="task") if length else -1
+    fallback = language.intern(task_text, kind="subtask") if length else -1
+    subtask = np.full(length, fallback, dtype=np.int64)
+    for k, segment in enumerate(segments):
+        lo, hi = segment.start, segment.end
+        segment_id[lo:hi] = k
+        segment_step[lo:hi] = np.arange(hi - lo)
+        accepted[lo:hi] = bool(segment.accepted)
+        segment_start[lo] = True
+        segment_end[hi - 1] = True
+        if segment.instruction is not None and segment.instruction.strip():
+            subtask[lo:hi] = language.intern(segment.instruction, kind="subtask")
+    terminated = np.zeros(length, dtype=bool)
+    truncated = np.zeros(length, dtype=bool)
+    if length:
+        terminated[-1], truncated[-1] = bool(episode.terminated), bool(episode.truncated)
+        segment_end[-1] |= terminated[-1] or truncated[-1]
+    if episode.continuity is None:
+        continuity = np.zeros(length, dtype=np.int64)
+    else:
+        continuity = np.asarray(list(episode.continuity), dtype=np.int64)
+    return {
+        "valid": np.ones(length, dtype=bool),
+        "episode_step": np.arange(length, dtype=np.int64),
+        "segment_id": segment_id,
+        "segment_step": segment_step,
+        "segment_start": segment_start,
+        "segment_end": segment_end,
+        "segment_accepted": accepted,
+        "segment_attempt_id": np.full(length, attempt, dtype=np.int64),
+        "continuity_id": continuity,
+        "terminated": terminated,
+        "truncated": truncated,
+        "task_index": np.full(length, task, dtype=np.int64),
+        "subtask_index": subtask,
+    }
+
+
+@dataclass(frozen=True)
+class _WholeEpisode:
+    end: int
+    start: int = 0
+    instruction: str | None = None
+    accepted: bool = True
+
+
+class EpisodeWriter:
+    """Writes windows of rows of one producer; knows storage and index, nothing of simulators."""
+
+    def __init__(self, storage: TrajectoryStorage, index: EligibilityIndex, language, run_id: int) -> None:
+        self.storage = storage
+        self.index = index
+        self.language = language
+        self.run_id = run_id
+
+    def claim(self, start: int, end: int) -> None:
+        """Take rows ``[start, end)`` away from samplers and reset them to the unwritten state."""
+        self.index.begin_write(start, end)
+        self.storage.invalidate_rows(start, end)
+
+    def reset_metadata(self, start: int, end: int) -> None:
+        """Before another attempt: metadata back to unwritten (payload is overwritten by the source)."""
+        for spec in self.storage.iter_specs(payload=False):
+            self.storage.metadata(spec.name)[start:end].fill_(spec.unwritten)
+
+    def write(self, start: int, episodes: Sequence[Episode], attempt: int) -> list[RowTables]:
+        """Derive and store metadata and run tables of every row of the window (rows stay invisible)."""
+        tables = []
+        for offset, episode in enumerate(episodes):
+            row = start + offset
+            derived = derive_row_metadata(episode, attempt, self.language)
+            length = episode.length
+            for name, values in derived.items():
+                self.storage.metadata(name)[row, :length] = torch.from_numpy(values)
+            row_tables = compute_row_tables(
+                derived["continuity_id"], derived["segment_id"], derived["segment_accepted"]
+            )
+            self.index.write_tables(row, row_tables)
+            tables.append(row_tables)
+        return tables
+
+    def publish(self, start: int, end: int, generation: int, episode_start: int) -> PublishedWindow:
+        """Stamp provenance, then make the rows sampleable. Call while holding the publication lock."""
+        episode_ids = torch.arange(episode_start, episode_start + (end - start), dtype=torch.int64)
+        published_ns = time.monotonic_ns()
+        if self.storage.has("ods_run_id"):
+            self._stamp_provenance(start, end, generation, episode_ids, published_ns)
+        self.index.end_write(start, end, generation, episode_ids)
+        return PublishedWindow(start, end, generation, episode_ids, published_ns)
+
+    def _stamp_provenance(
+        self, start: int, end: int, generation: int, episode_ids: torch.Tensor, published_ns: int
+    ) -> None:
+        valid = self.storage.metadata("valid")[start:end]
+        steps = self.storage.max_steps
+        values = {
+            "ods_run_id": torch.full((end - start, steps), self.run_id, dtype=torch.int64),
+            "ods_episode_id": episode_ids[:, None].expand(-1, steps),
+            "ods_generation": torch.full((end - start, steps), generation, dtype=torch.int64),
+            "ods_frame_index": torch.arange(steps, dtype=torch.int64).expand(end - start, -1),
+            "ods_accepted_at_ns": torch.full((end - start, steps), time.time_ns(), dtype=torch.int64),
+            "ods_published_at_monotonic_ns": torch.full((end - start, steps), published_ns),
+        }
+        for name, value in values.items():
+            target = self.storage.metadata(name)[start:end]
+            target.copy_(torch.where(valid, value, torch.full_like(value, -1)))

@@ -1,0 +1,6 @@
+"""PyTorch data-loading on top of the engine: ``OnlineDataset`` and chunk-size samplers."""
+
+from .chunk_sizes import ChunkSizeSampler, GMMChunkSampler, UniformChunkSampler
+from .dataset import OnlineDataset
+
+__all__ = ["ChunkSizeSampler", "GMMChunkSampler", "OnlineDataset", "UniformChunkSampler"]

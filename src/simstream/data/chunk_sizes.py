@@ -1,0 +1,122 @@
+"""Chunk-size samplers: how many frames each sampled chunk has.
+
+Each sampler owns its own ``random.Random`` (seeded or not), so chunk sizes never depend on, or disturb,
+the global RNG that augmentations or model code use.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+__all__ = ["ChunkSizeSampler", "GMMChunkSampler", "UniformChunkSampler"]
+
+
+class ChunkSizeSampler(ABC):
+    """Draws a chunk length (``>= 1``) per call. Subclass it to plug in your own distribution."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def seed(self, seed: int | None) -> None:
+        """Reseed (``DataLoader`` workers call this with a per-worker seed)."""
+        self._rng.seed(seed)
+
+    @abstractmethod
+    def __call__(self) -> int: ...
+
+
+class UniformChunkSampler(ChunkSizeSampler):
+    """Uniform integer chunk size in ``[low, high]`` (both inclusive).
+
+    Examples:
+        >>> sampler = UniformChunkSampler(4, 8, seed=0)
+        >>> 4 <= sampler() <= 8
+        True
+    """
+
+    def __init__(self, low: int, high: int, seed: int | None = None) -> None:
+        if low < 1:
+            raise ValueError(f"low must be ≥ 1, got {low}.")
+        if high < low:
+            raise ValueError(f"high must be ≥ low ({low}), got {high}.")
+        super().__init__(seed)
+        self.low, self.high = low, high
+
+    def __call__(self) -> int:
+        return self._rng.randint(self.low, self.high)
+
+    def __repr__(self) -> str:
+        return f"UniformChunkSampler(low={self.low}, high={self.high})"
+
+
+class GMMChunkSampler(ChunkSizeSampler):
+    """Chunk size from a mixture of Gaussians, rounded half away from zero, clipped to ``[low, high]``.
+
+    Args:
+        means: Component means.
+        stds: Component standard deviations (``> 0``).
+        weights: Non-negative component weights (normalised); uniform when ``None``.
+        low: Optional lower bound (``>= 1``); sizes are always at least 1.
+        high: Optional upper bound (``>= 1`` and ``>= low``).
+        seed: Optional seed of this sampler's own RNG.
+    """
+
+    def __init__(
+        self,
+        means: Sequence[float],
+        stds: Sequence[float],
+        weights: Sequence[float] | None = None,
+        low: int | None = None,
+        high: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if len(means) == 0:
+            raise ValueError("means must not be empty.")
+        if len(stds) != len(means):
+            raise ValueError(f"stds must have {len(means)} entries like means, got {len(stds)}.")
+        if any(s <= 0 for s in stds):
+            raise ValueError(f"every std must be > 0, got {list(stds)}.")
+        if weights is None:
+            weights = [1.0] * len(means)
+        if len(weights) != len(means):
+            raise ValueError(f"weights must have {len(means)} entries like means, got {len(weights)}.")
+        if any(w < 0 for w in weights):
+            raise ValueError(f"every weight must be ≥ 0, got {list(weights)}.")
+        total = float(sum(weights))
+        if total <= 0:
+            raise ValueError("weights must sum to a positive value.")
+        if low is not None and low < 1:
+            raise ValueError(f"low must be ≥ 1, got {low}.")
+        if high is not None and high < 1:
+            raise ValueError(f"high must be ≥ 1, got {high}.")
+        if low is not None and high is not None and high < low:
+            raise ValueError(f"high must be ≥ low ({low}), got {high}.")
+        super().__init__(seed)
+        self.means, self.stds = list(means), list(stds)
+        self.weights = [w / total for w in weights]
+        self.low, self.high = low, high
+        self._cdf = []
+        running = 0.0
+        for w in self.weights:
+            running += w
+            self._cdf.append(running)
+
+    def __call__(self) -> int:
+        u = self._rng.random()
+        component = next((i for i, c in enumerate(self._cdf) if u <= c), len(self._cdf) - 1)
+        value = self._rng.gauss(self.means[component], self.stds[component])
+        chunk = max(1, math.floor(abs(value) + 0.5) * (1 if value >= 0 else -1))
+        if self.low is not None:
+            chunk = max(self.low, chunk)
+        if self.high is not None:
+            chunk = min(self.high, chunk)
+        return chunk
+
+    def __repr__(self) -> str:
+        return (
+            f"GMMChunkSampler(means={self.means}, stds={self.stds}, weights={self.weights}, "
+            f"low={self.low}, high={self.high})"
+        )

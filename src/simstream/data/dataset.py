@@ -1,0 +1,125 @@
+"""``OnlineDataset``: a ``torch.utils.data.IterableDataset`` over a running engine.
+
+Each iterator (one per ``DataLoader`` worker) samples from the shared buffer forever. Item mode yields one
+chunk ``[chunk_size]`` at a time but fetches them in blocks, so it pays one selection and one gather per
+block instead of per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+from tensordict import TensorDict
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..errors import DataBudgetExhaustedError
+from .chunk_sizes import ChunkSizeSampler
+
+__all__ = ["OnlineDataset"]
+
+
+class OnlineDataset(IterableDataset):
+    """Endless stream of chunks (item mode) or batches of chunks (batch mode) from an engine.
+
+    Args:
+        engine: A READY (or soon READY) ``OnlineDataEngine``; start it before creating ``DataLoader`` workers.
+        chunk_size: Frames per chunk, or a :class:`ChunkSizeSampler`. In item mode the size is drawn once per
+            iterator so every item of a ``DataLoader`` batch has the same shape; in batch mode once per batch.
+        batch_size: ``None`` for item mode (use ``DataLoader(batch_size=..., collate_fn=OnlineDataset.
+            collate_fn)``), else chunks per yielded batch (use ``DataLoader(batch_size=None,
+            collate_fn=OnlineDataset.passthrough_collate_fn)``).
+        transform: Applied to every yielded TensorDict; its return value is yielded.
+        sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
+        seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``. ``None`` derives the
+            seed from torch's per-worker seed.
+        item_block: Chunks fetched per selection in item mode.
+
+    Examples:
+        >>> dataset = OnlineDataset(engine, chunk_size=16, batch_size=64)  # doctest: +SKIP
+        >>> loader = DataLoader(dataset, batch_size=None, num_workers=2,
+        ...                     collate_fn=OnlineDataset.passthrough_collate_fn)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        engine,
+        chunk_size: int | ChunkSizeSampler,
+        batch_size: int | None = None,
+        transform: Callable[[TensorDict], object] | None = None,
+        sampling_mode: Literal["episode", "segment", "boundary"] = "episode",
+        *,
+        seed: int | None = None,
+        item_block: int = 32,
+    ) -> None:
+        super().__init__()
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, ChunkSizeSampler)):
+            raise TypeError(
+                f"chunk_size must be an int or a ChunkSizeSampler, got {type(chunk_size).__name__}."
+            )
+        if isinstance(chunk_size, int) and chunk_size < 1:
+            raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}.")
+        if sampling_mode not in ("episode", "segment", "boundary"):
+            raise ValueError(
+                f"sampling_mode must be 'episode', 'segment', or 'boundary', got {sampling_mode!r}."
+            )
+        if batch_size is not None and (type(batch_size) is not int or batch_size < 1):
+            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}.")
+        if type(item_block) is not int or item_block < 1:
+            raise ValueError(f"item_block must be an int >= 1, got {item_block!r}.")
+        self.engine = engine
+        self.chunk_size = chunk_size
+        self.batch_size = batch_size
+        self.transform = transform
+        self.sampling_mode = sampling_mode
+        self.seed = seed
+        self.item_block = item_block
+
+    def _draw_chunk_size(self) -> int:
+        if isinstance(self.chunk_size, ChunkSizeSampler):
+            return self.chunk_size()
+        return self.chunk_size
+
+    def _generator(self) -> torch.Generator:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        base = self.seed if self.seed is not None else torch.initial_seed()
+        if isinstance(self.chunk_size, ChunkSizeSampler) and (self.seed is not None or info is not None):
+            self.chunk_size.seed(base + worker)
+        return torch.Generator().manual_seed((base + worker) % 2**63)
+
+    def __iter__(self) -> Iterator[object]:
+        generator = self._generator()
+        if self.batch_size is not None:
+            while True:
+                batch = self.engine.sample_batch(
+                    self.batch_size, self._draw_chunk_size(), self.sampling_mode, generator=generator
+                )
+                yield self._apply(batch)
+        chunk = self._draw_chunk_size()
+        while True:
+            for item in self._block(chunk, generator).unbind(0):
+                yield self._apply(item)
+
+    def _block(self, chunk: int, generator: torch.Generator) -> TensorDict:
+        try:
+            return self.engine.sample_batch(self.item_block, chunk, self.sampling_mode, generator=generator)
+        except DataBudgetExhaustedError:
+            if self.item_block == 1:
+                raise
+            # Quotas nearly spent: fall back to single chunks rather than failing early.
+            return self.engine.sample_batch(1, chunk, self.sampling_mode, generator=generator)
+
+    def _apply(self, data: TensorDict) -> object:
+        return data if self.transform is None else self.transform(data)
+
+    @staticmethod
+    def collate_fn(items: list[TensorDict]) -> TensorDict:
+        """Stack item-mode chunks into a batch ``[len(items), chunk_size]``."""
+        return torch.stack(items)
+
+    @staticmethod
+    def passthrough_collate_fn(batch: TensorDict) -> TensorDict:
+        """Batch mode: the dataset already yields whole batches."""
+        return batch

@@ -1,0 +1,1 @@
+"""The online data engine: lifecycle, wiring and the public sampling API."""

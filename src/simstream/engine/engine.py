@@ -1,0 +1,396 @@
+"""``OnlineDataEngine``: producers write whole episodes into shared memory; trainers sample from it.
+
+Data flows one way: source -> producer worker -> write window -> shared buffer + eligibility index ->
+sampler -> batch. This module wires the components (:meth:`OnlineDataEngine.__init__`) and exposes the
+sampling API; :mod:`simstream.engine.lifecycle` owns the processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import threading
+import time
+import uuid
+from typing import Literal
+
+import torch
+from tensordict import TensorDict
+
+from ..buffer.index import EPISODE, EligibilityIndex
+from ..buffer.storage import TrajectoryStorage
+from ..config import OnlineDataEngineCfg
+from ..errors import DataBudgetExhaustedError, DataUnavailableError, OnlineDataWorkerError
+from ..language import SharedLanguageRegistry
+from ..sampling.sampler import WindowSampler
+from ..workers.channel import ErrorChannel
+from .lifecycle import EngineLifecycle
+from .progress import ProducerProgress
+from .shared import EngineShared
+from .state import OnlineDataEngineState as State
+
+__all__ = ["OnlineDataEngine"]
+
+_CHUNK_MODES = ("episode", "segment", "boundary")
+
+
+class OnlineDataEngine(EngineLifecycle):
+    """Stream expert episodes from producer processes into a shared trajectory buffer and sample it.
+
+    Owns: the shared buffer ``[buffer_size, T]`` (payload keys of the source plus derived metadata), the
+    eligibility index, the language registry, the error channel and (in the owner) the producer processes.
+    Every window a sampler returns lies in one published episode: fully valid frames, one continuity region,
+    never a row a producer is writing. Batches are copies.
+
+    Pickle the engine into ``DataLoader`` workers or other processes (fork, spawn or forkserver) to sample
+    there; only the owner may ``start``/``stop``.
+
+    Examples:
+        >>> cfg = OnlineDataEngineCfg(source=my_source_spec, buffer_size=64)  # doctest: +SKIP
+        >>> with OnlineDataEngine(cfg) as engine:  # doctest: +SKIP
+        ...     batch = engine.sample_batch(batch_size=32, chunk_size=16)
+        ...     batch["actions"].shape
+        torch.Size([32, 16, 8])
+    """
+
+    def __init__(self, cfg: OnlineDataEngineCfg) -> None:
+        self._owner_pid = os.getpid()
+        self._lifecycle = threading.Condition(threading.RLock())
+        self._stop_requested = False
+        self._cleanup_complete = False
+        self._forced_shutdown = False
+        self._supervisor = None
+        if not isinstance(cfg, OnlineDataEngineCfg):
+            raise TypeError(f"OnlineDataEngine expects an OnlineDataEngineCfg, got {type(cfg).__name__}")
+        layout = cfg.validate()
+        try:
+            self._spec_bytes = pickle.dumps(cfg.source)
+        except Exception as error:
+            raise ValueError(
+                f"OnlineDataEngineCfg.source must be picklable (workers rebuild it), got {error}"
+            ) from error
+        self.cfg = cfg
+        self.run_id = uuid.uuid4().int & (2**63 - 1)
+        self._num_envs = layout.num_envs
+        ctx = EngineShared.context()
+        # Wiring, one edge per line: storage <- writer (workers); index <- writer, -> sampler; language,
+        # quota and lifecycle log <- writer; channel <- workers and supervisor, -> every reader.
+        storage = TrajectoryStorage(layout, cfg.buffer_size, cfg.include_provenance)
+        index = EligibilityIndex(cfg.buffer_size, layout.max_episode_steps)
+        quota = None
+        if cfg.episode_sample_budget is not None:
+            from ..buffer.quota import EpisodeQuota
+
+            quota = EpisodeQuota(
+                cfg.buffer_size, cfg.episode_sample_budget, cfg.episode_sample_hard_limit, self.run_id, ctx
+            )
+        events = None
+        if cfg.lifecycle_event_capacity:
+            from ..buffer.events import LifecycleEventLog
+
+            events = LifecycleEventLog(cfg.lifecycle_event_capacity, layout.max_episode_steps, ctx)
+        self._shared = EngineShared(
+            storage=storage,
+            index=index,
+            language=SharedLanguageRegistry(cfg.language_buffer_bytes, context=ctx),
+            channel=ErrorChannel(ctx),
+            progress=ProducerProgress(cfg.num_workers, ctx),
+            publish_lock=ctx.Lock(),
+            close_event=ctx.Event(),
+            wake_events=[ctx.Event() for _ in range(cfg.num_workers)],
+            state_code=ctx.Value("i", State.CREATED.code, lock=False),
+            quota=quota,
+            events=events,
+            run_id=self.run_id,
+            max_generation_attempts=cfg.max_generation_attempts,
+        )
+        self._sampler = WindowSampler(storage, index, quota)
+        self.shared_buffer: TensorDict = storage.rows_view()
+        self.buffer_size: int = cfg.buffer_size
+        self.device = torch.device("cpu")
+        self._refill_after = (
+            cfg.refill_threshold * cfg.buffer_size if cfg.refill_policy == "sample_threshold" else None
+        )
+
+    # -- pickling into consumers ---------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_supervisor"] = None
+        state["_lifecycle"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lifecycle = threading.Condition(threading.RLock())
+
+    @property
+    def max_episode_steps(self) -> int:
+        """Row capacity T."""
+        return self._shared.storage.max_steps
+
+    @property
+    def language_registry(self) -> SharedLanguageRegistry:
+        """The shared registry behind ``task_index`` / ``subtask_index``."""
+        return self._shared.language
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def sample_batch(
+        self,
+        batch_size: int,
+        chunk_size: int,
+        sampling_mode: Literal["episode", "segment", "boundary"] = "episode",
+        *,
+        generator: torch.Generator | None = None,
+        out: TensorDict | None = None,
+    ) -> TensorDict:
+        """Sample ``batch_size`` chunks of ``chunk_size`` consecutive valid frames.
+
+        A row (episode) is drawn uniformly among rows holding an eligible window, then a start uniformly
+        among that row's eligible starts. ``episode`` windows may cross segments but never a continuity
+        change; ``segment`` windows stay inside one accepted segment; ``boundary`` windows cross at least one
+        boundary between accepted segments.
+
+        Args:
+            batch_size: Chunks in the batch (drawn with replacement).
+            chunk_size: Frames per chunk, ``1 <= chunk_size <= T``.
+            sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
+            generator: Optional RNG for reproducible draws.
+            out: Optional preallocated TensorDict ``[batch_size, chunk_size]`` (e.g. from a previous call)
+                to copy into, avoiding a fresh allocation for large batches.
+
+        Returns:
+            A TensorDict ``[batch_size, chunk_size]`` with every buffer key, owning its memory.
+
+        Raises:
+            ValueError: an argument is out of range.
+            DataUnavailableError: no eligible window right now (producers keep running).
+            DataBudgetExhaustedError: the eligible episodes' quotas cannot supply the batch; nothing charged.
+            RuntimeError: the engine is not READY, or a producer's original exception.
+        """
+        self._check_ready("sample_batch")
+        steps = self.max_episode_steps
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        if chunk_size > steps:
+            raise ValueError(f"chunk_size ({chunk_size}) exceeds max_episode_steps ({steps}).")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}.")
+        if sampling_mode not in _CHUNK_MODES:
+            raise ValueError(
+                f"sampling_mode must be 'episode', 'segment', or 'boundary', got {sampling_mode!r}."
+            )
+        if sampling_mode == "boundary" and chunk_size < 2:
+            raise ValueError("boundary sampling requires chunk_size >= 2.")
+        try:
+            batch = self._sampler.sample_chunks(
+                batch_size, chunk_size, sampling_mode, generator, out=out, before_charge=self._raise_if_failed
+            )
+        except (DataUnavailableError, DataBudgetExhaustedError):
+            self._raise_if_failed()
+            self._check_workers_alive()
+            raise
+        self._shared.record_samples(batch_size, self._refill_after)
+        return batch
+
+    def sample_batch_with_context(
+        self,
+        batch_size: int,
+        history_length: int,
+        prediction_horizon: int,
+        *,
+        generator: torch.Generator | None = None,
+        sampling_mode: Literal["episode", "segment"] = "episode",
+        generations: tuple[int, ...] | None = None,
+    ) -> TensorDict:
+        """Sample causal contexts: history up to an anchor frame and the future targets after it.
+
+        Position ``history_length - 1`` is the anchor ("now"); earlier positions are history, later ones
+        future. A context never crosses an invalid frame, a continuity change or (``segment`` mode) a segment
+        boundary: such positions are padding, with zero payload, ``-1`` language/provenance ids and
+        ``valid=False``. ``loss_mask`` is ``valid`` at the anchor and after it: use it for every loss.
+
+        Args:
+            batch_size: Contexts in the batch (drawn with replacement).
+            history_length: Observation frames up to and including the anchor (``>= 1``).
+            prediction_horizon: Target frames from the anchor on (``>= 1``).
+            generator: Optional RNG for reproducible draws.
+            sampling_mode: ``"episode"`` or ``"segment"`` (context inside one accepted segment).
+            generations: Only anchors of these generations (needs ``include_provenance=True``).
+
+        Returns:
+            A TensorDict ``[batch_size, history_length + prediction_horizon - 1]`` plus ``loss_mask``.
+        """
+        if any(type(n) is not int or n < 1 for n in (history_length, prediction_horizon)):
+            raise ValueError("Context lengths must be positive integers")
+        if sampling_mode not in ("episode", "segment"):
+            raise ValueError("Context sampling_mode must be episode or segment")
+        if generations is not None and (
+            not isinstance(generations, tuple)
+            or not generations
+            or any(type(g) is not int or g < 1 for g in generations)
+        ):
+            raise ValueError("generations must be a nonempty tuple of positive integers")
+        self._check_ready("sample_batch")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        if generations is not None and not self.cfg.include_provenance:
+            raise ValueError("Source has no generation metadata")
+        try:
+            batch = self._sampler.sample_contexts(
+                batch_size,
+                history_length,
+                prediction_horizon,
+                sampling_mode,
+                generator,
+                generations,
+                before_charge=self._raise_if_failed,
+            )
+        except (DataUnavailableError, DataBudgetExhaustedError):
+            self._raise_if_failed()
+            self._check_workers_alive()
+            raise
+        self._shared.record_samples(batch_size, self._refill_after)
+        return batch
+
+    def resolve_language(self, batch: TensorDict) -> dict[str, object]:
+        """Task and subtask strings of a sampled batch, nested like the batch (valid after ``stop()``).
+
+        Padded context positions hold ``-1`` and raise ``ValueError``; select valid positions first.
+        """
+        if "task_index" not in batch or "subtask_index" not in batch:
+            raise ValueError("Online batch has no task_index/subtask_index language fields")
+        registry = self._shared.language
+        return {
+            "task": registry.resolve(batch.get("task_index"), kind="task"),
+            "subtask": registry.resolve(batch.get("subtask_index"), kind="subtask"),
+        }
+
+    def _check_ready(self, operation: str) -> None:
+        self._raise_if_failed()
+        state = self.state
+        if state is not State.READY:
+            raise RuntimeError(
+                f"OnlineDataEngine.{operation}() requires state READY; current state is {state.value}."
+            )
+        self._check_workers_alive()
+
+    # -- refill --------------------------------------------------------------------------------------
+    def request_refill(self) -> int:
+        """Ask for a new generation (every row rewritten once); coalesces with an outstanding request.
+
+        Returns:
+            The generation number to pass to :meth:`wait_for_generation`.
+        """
+        self._require_owner("request_refill")
+        self._check_ready("request_refill")
+        return self._shared.request_generation()
+
+    def wait_for_generation(self, generation: int, timeout: float = 300.0) -> None:
+        """Block until ``generation`` is complete, a producer fails, or ``timeout`` seconds pass.
+
+        Raises:
+            ValueError: ``generation`` was never requested, or bad arguments.
+            TimeoutError: the generation was not complete in time (producers keep running).
+        """
+        if type(generation) is not int or generation < 1:
+            raise ValueError("generation must be a positive integer")
+        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError("timeout must be finite and positive")
+        progress = self._shared.progress
+        if generation > progress.get("requested_generation"):
+            raise ValueError("generation has not been requested")
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_ready("wait_for_generation")
+            if progress.completed_generation >= generation:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
+            self._shared.channel.failed_event.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    # -- status --------------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise a producer failure if there is one, else ``RuntimeError`` unless READY."""
+        self._check_failed_state()
+        self._check_ready("check_health")
+
+    def _check_failed_state(self) -> None:
+        if self.state is State.STOPPED:
+            return
+        self._raise_if_failed()
+        if self.state is State.FAILED:
+            raise OnlineDataWorkerError("OnlineDataEngine is FAILED without an error envelope")
+        if self.state is State.READY:
+            self._check_workers_alive()
+
+    def get_stats(self) -> dict[str, int | float]:
+        """Counters of production and sampling (no state check; cheap)."""
+        values = self._shared.progress.snapshot()
+        index = self._shared.index
+        stable = index.stable_rows()
+        return {
+            "requested_generation": values["requested_generation"],
+            "completed_generation": values["completed_generation"],
+            "successful_episodes": values["successful_episodes"],
+            "failed_episodes": values["failed_episodes"],
+            "generated_frames": values["generated_frames"],
+            "production_seconds": values["production_ns"] / 1e9,
+            "sampled_chunks": values["sampled_chunks"],
+            "run_id": self.run_id,
+            "valid_frames": int(index.valid_frames[stable].sum()),
+        }
+
+    def get_flow_status(self) -> dict[str, int | None]:
+        """Generations, episodes and (with quotas) the remaining and delivered chunk counts."""
+        self.check_health()
+        values = self._shared.progress.snapshot()
+        status = {
+            "requested_generation": values["requested_generation"],
+            "completed_generation": values["completed_generation"],
+            "successful_episodes": values["successful_episodes"],
+            "unlocked_remaining_chunks": None,
+            "total_delivered_chunks": None,
+        }
+        quota = self._shared.quota
+        if quota is not None:
+            with quota.lock:
+                status["unlocked_remaining_chunks"] = quota.unlocked_remaining(self._sampleable_rows())
+                status["total_delivered_chunks"] = quota.total_delivered()
+        return status
+
+    def get_sampling_budget_snapshot(self) -> dict[str, object]:
+        """Per-episode quota table (published rows) and totals; raises if the engine FAILED."""
+        if self.state is State.FAILED:
+            self._raise_if_failed()
+            raise OnlineDataWorkerError("OnlineDataEngine is FAILED without an error envelope")
+        quota = self._shared.quota
+        if quota is None:
+            return {
+                "enabled": False,
+                "rows": [],
+                "unlocked_remaining_chunks": None,
+                "total_delivered_chunks": None,
+                "clock_origin_monotonic_ns": None,
+            }
+        index = self._shared.index
+        with quota.lock:
+            return {
+                "enabled": True,
+                "rows": quota.snapshot(~index.stable_rows()),
+                "unlocked_remaining_chunks": quota.unlocked_remaining(self._sampleable_rows()),
+                "total_delivered_chunks": quota.total_delivered(),
+                "episode_sample_budget": self.cfg.episode_sample_budget,
+                "episode_sample_hard_limit": self.cfg.episode_sample_hard_limit,
+                "clock_origin_monotonic_ns": quota.clock_origin_monotonic_ns,
+            }
+
+    def _sampleable_rows(self) -> torch.Tensor:
+        index = self._shared.index
+        return index.stable_rows() & (index.longest_run[EPISODE] >= 1)
+
+    def drain_lifecycle_events(self) -> list[dict]:
+        """Pending ``published``/``evicted`` records in order (owner only); frees their log space."""
+        self._require_owner("drain_lifecycle_events")
+        events = self._shared.events
+        return [] if events is None else events.drain()

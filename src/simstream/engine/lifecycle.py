@@ -1,0 +1,308 @@
+"""Owner-side lifecycle of the engine: start, stop, context manager, and their failure rules.
+
+:class:`EngineLifecycle` is the half of :class:`~simstream.OnlineDataEngine` that owns processes. Only
+the owner process (the one that built the engine) may call its methods; consumers that received the engine
+by pickling may sample but never start or stop producers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from ..errors import OnlineDataWorkerError, add_note
+from ..workers.channel import describe_exit
+from ..workers.supervisor import WorkerSpec, WorkerSupervisor
+from .state import OnlineDataEngineState as State
+
+__all__ = ["EngineLifecycle"]
+
+logger = logging.getLogger(__name__)
+
+_PRODUCER_TARGET = "simstream.workers.producer:run_producer"
+_DURABILITY_MESSAGE = (
+    "OnlineDataEngine worker required terminate()/kill(); graceful close and recorder durability "
+    "could not be confirmed."
+)
+
+
+class EngineLifecycle:
+    """Mixin owning the worker processes; expects ``self._shared``, ``self.cfg``, ``self._spec_bytes``."""
+
+    _supervisor: WorkerSupervisor | None
+
+    # -- state ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        """Current lifecycle state, the same in every process that shares the engine."""
+        if self._shared.channel.is_set():
+            return State.FAILED
+        return State.from_code(self._shared.state_code.value)
+
+    @property
+    def is_init(self) -> bool:
+        """``True`` while the engine is READY."""
+        return self.state is State.READY
+
+    def _set_state(self, state: State) -> None:
+        self._shared.state_code.value = state.code
+
+    def _is_owner(self) -> bool:
+        return os.getpid() == self._owner_pid
+
+    def _require_owner(self, operation: str) -> None:
+        if not self._is_owner():
+            raise RuntimeError(
+                f"OnlineDataEngine.{operation}() may only be called by owner process {self._owner_pid}; "
+                f"current process is {os.getpid()}."
+            )
+
+    # -- start ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the producer workers and block until the first generation fills every row.
+
+        Raises:
+            RuntimeError: not in state CREATED, called outside the owner, or cancelled by ``stop()``.
+            TimeoutError: the first generation took longer than ``initialization_timeout``.
+            Exception: a producer's original exception (or ``OnlineDataWorkerError``).
+        """
+        self._require_owner("start")
+        with self._lifecycle:
+            state = self.state
+            if state is not State.CREATED:
+                raise RuntimeError(
+                    f"OnlineDataEngine.start() requires state CREATED; current state is {state.value}."
+                )
+            self._stop_requested = False
+            self._set_state(State.STARTING)
+        try:
+            self._launch_workers()
+            self._wait_for_initial_fill()
+            with self._lifecycle:
+                self._raise_if_start_interrupted()
+                self._set_state(State.READY)
+                self._lifecycle.notify_all()
+        except BaseException as error:
+            self._abort_start(error)
+            raise
+
+    def _launch_workers(self) -> None:
+        shared, cfg = self._shared, self.cfg
+        ctx = shared.context()
+        if _forkserver_not_started():
+            ctx.set_forkserver_preload(["simstream.workers.producer"])
+        specs = [
+            WorkerSpec(
+                label=f"producer-{worker}",
+                target=_PRODUCER_TARGET,
+                args=(shared, worker, start, end, self._spec_bytes, cfg.seed),
+            )
+            for worker, (start, end) in enumerate(cfg.worker_row_ranges(self._num_envs))
+        ]
+        self._supervisor = WorkerSupervisor(
+            ctx,
+            shared.channel,
+            is_closing=shared.close_event.is_set,
+            died_message=lambda label, code: (
+                f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
+            ),
+        )
+        self._supervisor.start(specs)
+        shared.request_generation()
+
+    def _wait_for_initial_fill(self) -> None:
+        timeout = self.cfg.initialization_timeout
+        deadline = time.monotonic() + timeout
+        failed = self._shared.channel.failed_event
+        while True:
+            self._raise_if_start_interrupted()
+            if self._shared.progress.completed_generation >= 1:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"OnlineDataEngine initial buffer fill exceeded {timeout} seconds.")
+            failed.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _raise_if_start_interrupted(self) -> None:
+        if self._stop_requested:
+            raise RuntimeError("OnlineDataEngine.start() was cancelled by stop().")
+        self._raise_if_failed()
+        self._check_workers_alive()
+
+    def _abort_start(self, error: BaseException) -> None:
+        channel = self._shared.channel
+        cancelled = self._stop_requested
+        if channel.read() is None and not cancelled:
+            # Published, so consumers see why the engine failed instead of a bare state error.
+            channel.publish(error, "owner")
+        cleanup_failed = False
+        try:
+            forced = self._shutdown_workers()
+            self._cleanup_complete = True
+        except BaseException as cleanup_error:
+            forced, cleanup_failed = self._forced_shutdown, True
+            add_note(error, f"Worker cleanup also failed: {cleanup_error}")
+        published = channel.error()
+        if published is not None and published is not error:
+            add_note(error, f"Worker also failed during cleanup: {type(published).__name__}: {published}")
+        if forced:
+            channel.publish(OnlineDataWorkerError(_DURABILITY_MESSAGE), "owner")
+            add_note(error, _DURABILITY_MESSAGE)
+        clean = cancelled and channel.read() is None and not cleanup_failed and not forced
+        with self._lifecycle:
+            self._set_state(State.STOPPED if clean else State.FAILED)
+            self._lifecycle.notify_all()
+
+    # -- liveness ------------------------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        error = self._shared.channel.error()
+        if error is not None:
+            raise error
+
+    def _check_workers_alive(self) -> None:
+        """Raise if a producer died (owner) or the owner stopped the producers (consumer)."""
+        shared = self._shared
+        if not self._is_owner():
+            if shared.close_event.is_set() and self.state is State.READY:
+                raise RuntimeError("OnlineDataEngine owner has stopped the simulation worker.")
+            return
+        supervisor = self._supervisor
+        if supervisor is None or shared.close_event.is_set():
+            return
+        for label, code in supervisor.dead_workers():
+            error = RuntimeError(
+                f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
+            )
+            logger.error("%s exited: %s", label, describe_exit(code))
+            shared.channel.publish(error, label, exitcode=code)
+            self._raise_if_failed()
+
+    # -- stop ----------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the producers (idempotent, bounded by ``shutdown_timeout`` plus terminate/kill).
+
+        Raises:
+            Exception: a producer's error, including one raised by a source's ``close()``.
+            OnlineDataWorkerError: a worker had to be terminated or killed (durability unconfirmed);
+                the engine is then FAILED.
+        """
+        self._require_owner("stop")
+        with self._lifecycle:
+            state = self.state
+            if state is State.STOPPED:
+                return
+            if state is State.FAILED and self._cleanup_complete:
+                return
+            if state is State.CREATED:
+                self._shared.close_event.set()
+                self._shared.wake_all()
+                self._cleanup_complete = True
+                self._set_state(State.STOPPED)
+                return
+            if state is State.STARTING:
+                self._stop_requested = True
+                self._shared.close_event.set()
+                self._shared.wake_all()
+                limit = self.cfg.shutdown_timeout + 10.0
+                self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
+                if self.state is State.STOPPED or self._cleanup_complete:
+                    return
+            self._stop_running(state)
+
+    def _stop_running(self, state: State) -> None:
+        channel = self._shared.channel
+        error = channel.error()
+        if error is None and state is State.READY:
+            error = self._detect_death_before_stop()
+        try:
+            forced = self._shutdown_workers()
+        except BaseException as cleanup_error:
+            self._set_state(State.FAILED)
+            error = channel.error() or error
+            if self._forced_shutdown:
+                durability = OnlineDataWorkerError(_DURABILITY_MESSAGE)
+                if error is None:
+                    channel.publish(durability, "owner")
+                    error = durability
+                else:
+                    add_note(error, _DURABILITY_MESSAGE)
+            if error is not None:
+                add_note(error, f"Worker cleanup also failed: {cleanup_error}")
+                raise error from None
+            raise
+        error = channel.error() or error
+        if forced:
+            durability = OnlineDataWorkerError(_DURABILITY_MESSAGE)
+            if error is None:
+                channel.publish(durability, "owner")
+                error = durability
+            else:
+                add_note(error, _DURABILITY_MESSAGE)
+        self._cleanup_complete = True
+        if error is not None:
+            self._set_state(State.FAILED)
+            raise error
+        self._set_state(State.STOPPED)
+
+    def _detect_death_before_stop(self) -> BaseException | None:
+        supervisor = self._supervisor
+        if supervisor is None:
+            error = RuntimeError("OnlineDataEngine simulation worker was not created.")
+            self._shared.channel.publish(error, "owner")
+            return error
+        for label, code in supervisor.dead_workers():
+            error = RuntimeError(
+                "OnlineDataEngine simulation worker exited unexpectedly before stop() "
+                f"({describe_exit(code)})."
+            )
+            self._shared.channel.publish(error, label, exitcode=code)
+            return self._shared.channel.error()
+        return None
+
+    def _shutdown_workers(self) -> bool:
+        """Signal close, then join/terminate/kill every worker. Returns whether force was needed."""
+        shared = self._shared
+        shared.close_event.set()
+        shared.wake_all()
+        supervisor = self._supervisor
+        if supervisor is None:
+            return False
+        report = supervisor.shutdown(self.cfg.shutdown_timeout)
+        self._forced_shutdown = self._forced_shutdown or report.forced
+        if report.still_alive:
+            raise RuntimeError(
+                "OnlineDataEngine simulation worker remained alive after graceful shutdown, terminate(), "
+                "and kill()."
+            )
+        self._supervisor = None
+        return report.forced
+
+    # -- context manager -----------------------------------------------------------------------------
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.stop()
+        except BaseException as cleanup_error:
+            if exc is None:
+                raise
+            if cleanup_error is not exc:
+                add_note(
+                    exc,
+                    f"OnlineDataEngine cleanup also failed: {type(cleanup_error).__name__}: {cleanup_error}",
+                )
+
+    def __del__(self) -> None:
+        try:
+            if self._is_owner() and self._supervisor is not None:
+                self.stop()
+        except BaseException:
+            pass
+
+
+def _forkserver_not_started() -> bool:
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is None

@@ -1,0 +1,1 @@
+"""Window selection and batch gathering: index in, indices and copied batches out."""

@@ -1,0 +1,184 @@
+"""The episode-source protocol: how a simulator plus expert plugs into the engine.
+
+The engine never knows which simulator runs. The owner holds a cheap, picklable :class:`SourceSpec`; every
+producer worker calls :meth:`SourceSpec.build` once to create its own :class:`EpisodeSource`, then asks it
+for rollouts. A rollout writes payload frames into a view of the shared buffer and reports one
+:class:`Episode` per row; the engine checks the reports with :func:`validate_episodes` and derives every
+metadata key from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+__all__ = ["Episode", "EpisodeSource", "Field", "Segment", "SourceSpec", "validate_episodes"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-frame payload tensor of a source: its shape (without the frame axes) and dtype."""
+
+    shape: tuple[int, ...] = ()
+    """Per-frame shape; ``()`` is a scalar per frame."""
+    dtype: torch.dtype = torch.float32
+    """Element type stored in the shared buffer."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, tuple) or any(type(n) is not int or n < 1 for n in self.shape):
+            raise ValueError(f"Field.shape must be a tuple of positive ints, got {self.shape!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"Field.dtype must be a torch.dtype, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A semantic sub-task inside one episode: frames ``[start, end)``."""
+
+    start: int
+    """First frame, inclusive."""
+    end: int
+    """Last frame, exclusive."""
+    instruction: str | None = None
+    """Subtask text; ``None`` inherits the episode's instruction."""
+    accepted: bool = True
+    """``False``: the frames stay valid but never serve segment or boundary sampling."""
+
+
+@dataclass
+class Episode:
+    """What a source reports for one buffer row after a rollout."""
+
+    length: int
+    """Frames written: ``rows[row, :length]``."""
+    success: bool = True
+    """The window is published only when every episode in it succeeded."""
+    instruction: str | None = None
+    """Task text; ``None`` is stored as ``"unknown_task"``."""
+    segments: Sequence[Segment] = ()
+    """Sub-tasks in frame order; ``()`` means one accepted segment ``[0, length)``."""
+    continuity: Sequence[int] | None = None
+    """Per-frame causal region id (``len == length``); ``None``: all 0; ``-1``: never used as context."""
+    terminated: bool = False
+    """Termination flag of the last frame."""
+    truncated: bool = False
+    """Truncation flag of the last frame."""
+
+
+@runtime_checkable
+class EpisodeSource(Protocol):
+    """Lives in one producer worker and fills buffer rows with episodes."""
+
+    def rollout(
+        self, rows: TensorDict, *, attempt: int, should_stop: Callable[[], bool]
+    ) -> Sequence[Episode] | None:
+        """Write frames ``t < length`` of each row of ``rows`` (``[num_envs, T]``, payload keys only).
+
+        Args:
+            rows: A view of the shared buffer, already invalidated; write payload frames in place.
+            attempt: How many times this window was tried before (0 on the first try).
+            should_stop: Poll it in long loops; once it returns ``True`` return ``None``.
+
+        Returns:
+            One :class:`Episode` per row, or ``None`` when the rollout was interrupted by ``should_stop``.
+        """
+        ...
+
+    def close(self) -> None:
+        """Flush and release; an exception raised here makes the engine's ``stop()`` fail."""
+        ...
+
+
+@runtime_checkable
+class SourceSpec(Protocol):
+    """A picklable, cheap description of a source; the engine's owner holds it."""
+
+    num_envs: int
+    """Rows written by one rollout."""
+    max_episode_steps: int
+    """The row capacity T; a source must truncate its episodes at T, never clip them."""
+
+    def fields(self) -> Mapping[str, Field]:
+        """Payload names (``"obs/state"`` is the nested key ``("obs", "state")``) and their layout."""
+        ...
+
+    def build(self, worker_index: int, seed: int) -> EpisodeSource:
+        """Create the worker-local source; runs inside the producer worker process."""
+        ...
+
+
+def _exact_int(value: object) -> bool:
+    return type(value) is int
+
+
+def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Episode]:
+    """Check a rollout's report against the rules of the protocol.
+
+    Args:
+        episodes: What ``EpisodeSource.rollout`` returned (``None`` handled by the caller).
+        num_rows: Rows in the window (the spec's ``num_envs``).
+        capacity: Row capacity ``T``.
+
+    Returns:
+        The episodes as a list.
+
+    Raises:
+        ValueError: naming the row and the rule it breaks: wrong count, length outside ``[0, T]``,
+            segments out of range, empty, unordered or overlapping, or a continuity list of the wrong
+            length or with ids below ``-1``.
+    """
+    if isinstance(episodes, (str, bytes)) or not isinstance(episodes, Sequence):
+        raise ValueError(
+            f"EpisodeSource.rollout must return a sequence of {num_rows} Episode objects or None, "
+            f"got {type(episodes).__name__}"
+        )
+    if len(episodes) != num_rows:
+        raise ValueError(
+            f"EpisodeSource.rollout returned {len(episodes)} episodes for a window of {num_rows} rows; "
+            "it must report exactly one Episode per row"
+        )
+    for row, episode in enumerate(episodes):
+        if not isinstance(episode, Episode):
+            raise ValueError(f"Episode report for row {row} must be an Episode, got {episode!r}")
+        length = episode.length
+        if not _exact_int(length) or not 0 <= length <= capacity:
+            raise ValueError(f"Episode.length of row {row} must be an int in [0, {capacity}], got {length!r}")
+        if episode.instruction is not None and not isinstance(episode.instruction, str):
+            raise ValueError(f"Episode.instruction of row {row} must be str or None")
+        previous_end = 0
+        for k, segment in enumerate(episode.segments):
+            if not isinstance(segment, Segment):
+                raise ValueError(f"Episode.segments[{k}] of row {row} must be a Segment")
+            start, end = segment.start, segment.end
+            if not (_exact_int(start) and _exact_int(end) and 0 <= start < end <= length):
+                raise ValueError(
+                    f"Segment [{start}, {end}) of row {row} is outside the row: segments must satisfy "
+                    f"0 <= start < end <= length={length}"
+                )
+            if start < previous_end:
+                raise ValueError(
+                    f"Segments of row {row} overlap or are out of order at segment {k} "
+                    f"[{start}, {end}); segments must be sorted and disjoint"
+                )
+            if segment.instruction is not None and not isinstance(segment.instruction, str):
+                raise ValueError(f"Segment.instruction of row {row} must be str or None")
+            previous_end = end
+        if episode.continuity is not None:
+            continuity = list(episode.continuity)
+            if len(continuity) != length:
+                raise ValueError(
+                    f"Episode.continuity of row {row} has {len(continuity)} ids for length {length}; "
+                    "it must hold one id per frame"
+                )
+            if any(not isinstance(c, Integral) or isinstance(c, bool) or c < -1 for c in continuity):
+                raise ValueError(
+                    f"Episode.continuity of row {row} must hold ints >= -1 (-1: never used as context)"
+                )
+    return list(episodes)

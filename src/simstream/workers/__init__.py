@@ -1,0 +1,1 @@
+"""Process supervision and the error channel, shared by the data engine and the RL runner."""

@@ -1,0 +1,165 @@
+"""Body of one producer worker: build the source, then write windows whenever a generation is requested.
+
+The worker owns rows ``[row_start, row_end)`` and nothing else; it writes them window by window
+(``num_envs`` rows per rollout, the last window shifted back to end at ``row_end``). Failed attempts stay
+invisible; a window is published only when every episode in it succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import time
+
+import numpy as np
+import torch
+
+from ..buffer.writer import EpisodeWriter
+from ..engine.shared import EngineShared
+from ..sources import validate_episodes
+
+__all__ = ["derive_worker_seed", "run_producer", "window_starts"]
+
+logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.5
+
+
+def derive_worker_seed(seed: int, worker_index: int) -> int:
+    """Independent, reproducible seed for worker ``worker_index`` of an engine seeded with ``seed``."""
+    return int(np.random.SeedSequence([seed, worker_index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def window_starts(row_start: int, row_end: int, num_envs: int) -> list[int]:
+    """First row of each window covering ``[row_start, row_end)``; the last one may overlap."""
+    count = math.ceil((row_end - row_start) / num_envs)
+    return [min(row_start + k * num_envs, row_end - num_envs) for k in range(count)]
+
+
+def run_producer(
+    shared: EngineShared, worker_index: int, row_start: int, row_end: int, spec_bytes: bytes, seed: int
+) -> None:
+    """Worker entry (started through :func:`simstream.workers.supervisor.worker_entry`)."""
+    torch.set_num_threads(1)
+    spec = pickle.loads(spec_bytes)
+    source = spec.build(worker_index, derive_worker_seed(seed, worker_index))
+    try:
+        _Producer(shared, worker_index, row_start, row_end, spec.num_envs, source).run()
+    except BaseException as error:
+        # Publish before close(): a failing close() must not hide the original failure.
+        shared.channel.publish(error, f"producer-{worker_index}")
+        raise
+    finally:
+        source.close()
+
+
+class _Producer:
+    def __init__(self, shared: EngineShared, worker: int, start: int, end: int, num_envs: int, source):
+        self.shared = shared
+        self.worker = worker
+        self.starts = window_starts(start, end, num_envs)
+        self.num_envs = num_envs
+        self.source = source
+        self.writer = EpisodeWriter(shared.storage, shared.index, shared.language, shared.run_id)
+
+    def closing(self) -> bool:
+        return self.shared.close_event.is_set()
+
+    def run(self) -> None:
+        progress = self.shared.progress
+        while True:
+            generation = self._wait_for_request()
+            if generation is None:
+                return
+            began = time.monotonic_ns()
+            for number, start in enumerate(self.starts):
+                if not self._write_window(number, start, generation):
+                    return
+            progress.set_worker_completed(self.worker, generation)
+            progress.add("production_ns", time.monotonic_ns() - began)
+
+    def _wait_for_request(self) -> int | None:
+        wake = self.shared.wake_events[self.worker]
+        progress = self.shared.progress
+        while not self.closing():
+            done = progress.worker_completed(self.worker)
+            if progress.get("requested_generation") > done:
+                return done + 1
+            wake.wait(_IDLE_WAIT_S)
+            wake.clear()
+        return None
+
+    def _write_window(self, number: int, start: int, generation: int) -> bool:
+        end = start + self.num_envs
+        shared = self.shared
+        if shared.events is not None and not self._log_evictions(start, end):
+            return False
+        self.writer.claim(start, end)
+        rows = shared.storage.rows_view(start, end, payload_only=True)
+        attempts = shared.max_generation_attempts
+        for attempt in range(attempts):
+            if attempt:
+                self.writer.reset_metadata(start, end)
+            report = self.source.rollout(rows, attempt=attempt, should_stop=self.closing)
+            if report is None:
+                return False
+            episodes = validate_episodes(report, end - start, shared.storage.max_steps)
+            if all(episode.success for episode in episodes):
+                break
+            shared.progress.add("failed_episodes", end - start)
+            if self.closing():
+                return False
+            logger.warning("window %d attempt %d had a failed episode; retrying", number + 1, attempt + 1)
+        else:
+            raise RuntimeError(f"Failed to generate rollout {number + 1} after {attempts} attempts.")
+        self.writer.write(start, episodes, attempt)
+        self._publish(start, end, generation, sum(e.length for e in episodes))
+        return True
+
+    def _publish(self, start: int, end: int, generation: int, frames: int) -> None:
+        shared, progress = self.shared, self.shared.progress
+        with shared.publish_lock:
+            with progress.lock:
+                first_id = progress.get("next_episode_id")
+                progress.set("next_episode_id", first_id + end - start)
+            if shared.quota is not None:
+                with shared.quota.lock:
+                    ids = torch.arange(first_id, first_id + end - start)
+                    shared.quota.publish(torch.arange(start, end), ids, generation)
+                    window = self.writer.publish(start, end, generation, first_id)
+            else:
+                window = self.writer.publish(start, end, generation, first_id)
+            if shared.events is not None:
+                shared.events.append(
+                    [
+                        self._record("published", row, window.published_monotonic_ns)
+                        for row in range(start, end)
+                    ]
+                )
+        with progress.lock:
+            progress.set("successful_episodes", progress.get("successful_episodes") + end - start)
+            progress.set("generated_frames", progress.get("generated_frames") + frames)
+
+    def _log_evictions(self, start: int, end: int) -> bool:
+        events, index = self.shared.events, self.shared.index
+        published = [row for row in range(start, end) if int(index.episode_id[row]) >= 0]
+        if not events.wait_for_space(end - start + len(published), self.closing):
+            return False
+        if published:
+            now = time.monotonic_ns()
+            events.append([self._record("evicted", row, now) for row in published])
+        return True
+
+    def _record(self, kind: str, row: int, monotonic_ns: int) -> dict:
+        storage, index = self.shared.storage, self.shared.index
+        valid = storage.metadata("valid")[row].clone()
+        return {
+            "kind": kind,
+            "run_id": self.shared.run_id,
+            "episode_id": int(index.episode_id[row]),
+            "generation": int(index.generation[row]),
+            "slot": row,
+            "monotonic_ns": monotonic_ns,
+            "valid_mask": valid,
+            "anchor_mask": valid & (storage.metadata("continuity_id")[row] >= 0),
+        }

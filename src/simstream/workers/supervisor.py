@@ -1,0 +1,251 @@
+"""Start, watch and stop worker processes; shared by the data engine and the RL runner.
+
+The supervisor owns the process handles of one group of workers and nothing else: it starts each worker
+through :func:`worker_entry` (so every exception a worker raises, from unpickling its arguments to its last
+line, is published on the :class:`~simstream.workers.channel.ErrorChannel`), runs a monitor thread that
+turns a silent death (SIGKILL, segfault, ``os._exit``) into a published record within milliseconds, keeps
+an optional heartbeat per worker for hang detection, and stops the group with a bounded escalation:
+graceful join, then ``terminate()``, then ``kill()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_sentinels
+
+from .channel import ErrorChannel
+
+__all__ = ["Heartbeat", "ShutdownReport", "WorkerSpec", "WorkerSupervisor", "worker_entry"]
+
+logger = logging.getLogger(__name__)
+
+
+def worker_entry(
+    target: str,
+    args: tuple,
+    channel: ErrorChannel,
+    label: str,
+    heartbeat: Heartbeat | None,
+    index: int,
+) -> None:
+    """Top-level body of every worker process.
+
+    ``target`` is ``"module:function"``, imported *inside* the guard, so an import error in the child is
+    reported like any other failure. User objects that may fail to unpickle in the child should travel as
+    pickled bytes in ``args`` and be loaded by the target. The exception is re-raised, so the process still
+    exits non-zero.
+    """
+    try:
+        if heartbeat is not None:
+            heartbeat.beat(index)
+        module_name, _, function_name = target.partition(":")
+        function = getattr(importlib.import_module(module_name), function_name)
+        function(*args)
+    except BaseException as error:
+        channel.publish(error, label)
+        raise
+
+
+class Heartbeat:
+    """One shared monotonic timestamp per worker; a worker calls :meth:`beat` from its loop."""
+
+    def __init__(self, num_workers: int, ctx: mp.context.BaseContext) -> None:
+        self._stamps = ctx.Array("d", [time.monotonic()] * num_workers, lock=False)
+
+    def beat(self, index: int) -> None:
+        self._stamps[index] = time.monotonic()
+
+    def age_s(self, index: int) -> float:
+        """Seconds since worker ``index`` last beat (``CLOCK_MONOTONIC`` is system-wide on Linux)."""
+        return time.monotonic() - self._stamps[index]
+
+    def reset(self) -> None:
+        now = time.monotonic()
+        for i in range(len(self._stamps)):
+            self._stamps[i] = now
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What to run in one worker: ``target(*args)`` where ``target`` is ``"module:function"``.
+
+    ``args`` travel as process arguments, so shared-memory objects and multiprocessing primitives may be
+    among them.
+    """
+
+    label: str
+    target: str
+    args: tuple = ()
+
+
+@dataclass
+class ShutdownReport:
+    """How a group was stopped."""
+
+    forced: bool = False
+    """``terminate()`` or ``kill()`` was needed for at least one worker."""
+    exitcodes: dict[str, int | None] = field(default_factory=dict)
+    still_alive: list[str] = field(default_factory=list)
+
+
+class WorkerSupervisor:
+    """Owns a group of worker processes, their monitor thread and their shutdown.
+
+    Args:
+        ctx: Multiprocessing context (``forkserver`` for the engine, ``spawn`` for the RL collector).
+        channel: Where failures are published.
+        is_closing: Returns ``True`` once the owner asked the workers to stop; a worker exiting then is
+            not a failure (a non-zero exit code still is).
+        died_message: Builds the message of the ``RuntimeError`` published for a silent death.
+        heartbeat: Optional per-worker heartbeat the workers update.
+        hang_timeout_s: With a heartbeat, a worker silent for this long is reported as hung.
+    """
+
+    def __init__(
+        self,
+        ctx: mp.context.BaseContext,
+        channel: ErrorChannel,
+        *,
+        is_closing: Callable[[], bool],
+        died_message: Callable[[str, int | None], str],
+        heartbeat: Heartbeat | None = None,
+        hang_timeout_s: float | None = None,
+        daemon: bool = False,
+    ) -> None:
+        self._ctx = ctx
+        self._channel = channel
+        self._is_closing = is_closing
+        self._died_message = died_message
+        self._heartbeat = heartbeat
+        self._hang_timeout_s = hang_timeout_s
+        self._daemon = daemon
+        self._processes: dict[str, mp.process.BaseProcess] = {}
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
+        self._forcing = threading.Event()
+        self._status_lock = threading.RLock()
+
+    @property
+    def processes(self) -> dict[str, mp.process.BaseProcess]:
+        return dict(self._processes)
+
+    def start(self, specs: Sequence[WorkerSpec]) -> None:
+        """Start every worker, then the monitor thread."""
+        for index, spec in enumerate(specs):
+            process = self._ctx.Process(
+                target=worker_entry,
+                args=(spec.target, spec.args, self._channel, spec.label, self._heartbeat, index),
+                name=spec.label,
+                daemon=self._daemon,
+            )
+            self._processes[spec.label] = process
+            process.start()
+        self._monitor = threading.Thread(
+            target=_monitor_workers,
+            args=(
+                dict(self._processes),
+                self._channel,
+                self._monitor_stop,
+                self._forcing,
+                self._status_lock,
+                self._is_closing,
+                self._died_message,
+                self._heartbeat,
+                self._hang_timeout_s,
+            ),
+            name="simstream-worker-monitor",
+            daemon=True,
+        )
+        self._monitor.start()
+
+    def dead_workers(self) -> list[tuple[str, int | None]]:
+        """Workers that have exited, with their exit codes (non-blocking)."""
+        with self._status_lock:
+            return [(label, p.exitcode) for label, p in self._processes.items() if p.exitcode is not None]
+
+    def shutdown(self, timeout_s: float, *, terminate_join_s: float = 3.0) -> ShutdownReport:
+        """Join every worker within ``timeout_s``, then terminate, then kill the stragglers."""
+        report = ShutdownReport()
+        with self._status_lock:
+            deadline = time.monotonic() + timeout_s
+            for process in self._processes.values():
+                process.join(max(0.0, deadline - time.monotonic()))
+            for escalate, join_s in (("terminate", terminate_join_s), ("kill", 1.0)):
+                alive = [p for p in self._processes.values() if p.is_alive()]
+                if not alive:
+                    break
+                report.forced = True
+                self._forcing.set()
+                for process in alive:
+                    logger.warning("worker %s did not exit in time; calling %s()", process.name, escalate)
+                    getattr(process, escalate)()
+                for process in alive:
+                    process.join(join_s)
+            report.exitcodes = {label: p.exitcode for label, p in self._processes.items()}
+            report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
+        self.stop_monitor()
+        if not report.still_alive:
+            for process in self._processes.values():
+                process.close()
+            self._processes.clear()
+        return report
+
+    def stop_monitor(self, timeout_s: float = 1.0) -> bool:
+        """Stop the monitor thread; ``False`` if it did not stop in time."""
+        self._monitor_stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout_s)
+            if self._monitor.is_alive():
+                return False
+            self._monitor = None
+        return True
+
+
+def _monitor_workers(
+    processes: dict[str, mp.process.BaseProcess],
+    channel: ErrorChannel,
+    stop: threading.Event,
+    forcing: threading.Event,
+    status_lock: threading.RLock,
+    is_closing: Callable[[], bool],
+    died_message: Callable[[str, int | None], str],
+    heartbeat: Heartbeat | None,
+    hang_timeout_s: float | None,
+) -> None:
+    # Waits on the process sentinels; the exit status is read under the status lock, so this thread
+    # never races the owner's join() on the forkserver status pipe.
+    pending = {p.sentinel: (label, index, p) for index, (label, p) in enumerate(processes.items())}
+    while pending and not stop.is_set():
+        ready = wait_for_sentinels(list(pending), timeout=0.1)
+        for sentinel in ready:
+            label, _, process = pending.pop(sentinel)
+            with status_lock:
+                process.join(1.0)
+                exitcode = process.exitcode
+            # Deaths we caused with terminate()/kill() are reported by shutdown(), not as failures.
+            if channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0):
+                continue
+            message = died_message(label, exitcode)
+            record = FailureRecord(
+                label,
+                process.pid or 0,
+                "builtins",
+                "RuntimeError",
+                message,
+                repr(message),
+                "",
+                exitcode,
+            )
+            channel.publish_record(record)
+        if heartbeat is not None and hang_timeout_s is not None and not is_closing():
+            for label, index, _ in pending.values():
+                age = heartbeat.age_s(index)
+                if age > hang_timeout_s and not channel.is_set():
+                    message = f"{label} sent no heartbeat for {age:.1f} s (hang_timeout_s={hang_timeout_s})"
+                    channel.publish(TimeoutError(message), label)

@@ -1,0 +1,147 @@
+"""Episode sources for tests: real processes, real shared memory, deterministic content.
+
+``ScriptedSource`` writes frames whose values identify them: ``obs[..., 0]`` is a unique episode tag,
+``obs[..., 1]`` the frame index ``t`` and ``obs[..., 2]`` the worker index, and ``actions`` repeat the tag.
+Tests can therefore check that every sampled chunk is consecutive frames of one episode. Fault knobs make
+a worker fail in every way the engine must report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from simstream import Episode, Field, Segment
+
+
+class UnpicklableError(Exception):
+    """An exception whose instances cannot be pickled (holds a lock)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class OddInitError(Exception):
+    """Pickles, but cannot be rebuilt: ``__init__`` needs two arguments."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+@dataclass(frozen=True)
+class ScriptedSpec:
+    """A picklable spec with knobs; ``lengths`` cycles per written row."""
+
+    num_envs: int = 2
+    max_episode_steps: int = 20
+    lengths: tuple[int, ...] = (20,)
+    segments: tuple[tuple[int, int, str | None, bool], ...] = ()
+    """Segments of every episode (clipped to its length)."""
+    continuity: tuple[int, ...] | None = None
+    """Per-frame continuity ids of every episode (cut to its length)."""
+    instruction: str | None = "stack the blocks"
+    image: bool = False
+    fail_attempts: int = 0
+    """The first N attempts of every window report a failed episode."""
+    fault: str | None = None
+    """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise."""
+    fault_after: int = 0
+    """Rollouts that succeed before the fault fires (per worker)."""
+    fault_worker: int = 0
+    close_fault: str | None = None
+    """``raise`` or ``hang`` in ``close()``."""
+    extra_fields: Mapping[str, Field] = field(default_factory=dict)
+
+    def fields(self) -> Mapping[str, Field]:
+        fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
+        if self.image:
+            fields["obs_image/rgb"] = Field((3, 8, 8), torch.uint8)
+        fields.update(self.extra_fields)
+        return fields
+
+    def build(self, worker_index: int, seed: int) -> ScriptedSource:
+        if self.fault == "build_raise" and worker_index == self.fault_worker:
+            raise ValueError("source could not be built")
+        return ScriptedSource(self, worker_index, seed)
+
+
+class ScriptedSource:
+    def __init__(self, spec: ScriptedSpec, worker_index: int, seed: int) -> None:
+        self.spec = spec
+        self.worker = worker_index
+        self.rollouts = 0
+        self.rows_written = 0
+
+    def _fault(self, should_stop) -> None:
+        spec = self.spec
+        if spec.fault is None or self.worker != spec.fault_worker or self.rollouts < spec.fault_after:
+            return
+        kind = spec.fault
+        if kind == "raise":
+            raise KeyError("scripted failure in rollout")
+        if kind == "unpicklable":
+            raise UnpicklableError("cannot travel as a pickle")
+        if kind == "oddinit":
+            raise OddInitError(7, "odd constructor")
+        if kind == "exit":
+            os._exit(3)
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "segfault":
+            ctypes.string_at(0)
+        if kind == "hang":
+            threading.Event().wait(3600)
+        if kind == "stall":
+            while not should_stop():
+                threading.Event().wait(0.02)
+
+    def rollout(self, rows, *, attempt: int, should_stop):
+        self._fault(should_stop)
+        spec = self.spec
+        episodes = []
+        for row in range(rows.batch_size[0]):
+            length = spec.lengths[self.rows_written % len(spec.lengths)]
+            tag = float(self.worker * 1_000_000 + self.rows_written * 10 + attempt)
+            t = torch.arange(length, dtype=torch.float32)
+            rows["obs"][row, :length, 0] = tag
+            rows["obs"][row, :length, 1] = t
+            rows["obs"][row, :length, 2] = float(self.worker)
+            rows["actions"][row, :length] = tag
+            rows["rewards"][row, :length] = t
+            if spec.image:
+                rows["obs_image", "rgb"][row, :length] = (self.rows_written % 250) + 1
+            segments = [
+                Segment(lo, min(hi, length), text, ok) for lo, hi, text, ok in spec.segments if lo < length
+            ]
+            continuity = None if spec.continuity is None else list(spec.continuity[:length])
+            success = attempt >= spec.fail_attempts
+            episodes.append(
+                Episode(
+                    length=length,
+                    success=success,
+                    instruction=spec.instruction,
+                    segments=segments,
+                    continuity=continuity,
+                    terminated=True,
+                )
+            )
+            self.rows_written += 1
+        self.rollouts += 1
+        if spec.fault == "bad_report" and self.worker == spec.fault_worker:
+            episodes[-1] = Episode(length=spec.max_episode_steps + 1)
+        if should_stop():
+            return None
+        return episodes
+
+    def close(self) -> None:
+        if self.spec.close_fault == "raise":
+            raise OSError("flush failed while closing the source")
+        if self.spec.close_fault == "hang":
+            threading.Event().wait(3600)
