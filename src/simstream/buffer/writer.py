@@ -41,7 +41,7 @@ class PublishedWindow:
 def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, np.ndarray]:
     """Every metadata key of one row's ``episode.length`` valid frames, as numpy arrays."""
     length = episode.length
-    segments = list(episode.segments) or [_WholeEpisode(length)]
+    segments = list(episode.segments) or ([_WholeEpisode(length)] if length else [])
     segment_id = np.full(length, -1, dtype=np.int64)
     segment_step = np.full(length, -1, dtype=np.int64)
     accepted = np.zeros(length, dtype=bool)

@@ -231,18 +231,7 @@ def _monitor_workers(
             # Deaths we caused with terminate()/kill() are reported by shutdown(), not as failures.
             if channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0):
                 continue
-            message = died_message(label, exitcode)
-            record = FailureRecord(
-                label,
-                process.pid or 0,
-                "builtins",
-                "RuntimeError",
-                message,
-                repr(message),
-                "",
-                exitcode,
-            )
-            channel.publish_record(record)
+            channel.publish(RuntimeError(died_message(label, exitcode)), label, exitcode=exitcode)
         if heartbeat is not None and hang_timeout_s is not None and not is_closing():
             for label, index, _ in pending.values():
                 age = heartbeat.age_s(index)

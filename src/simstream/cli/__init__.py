@@ -1,0 +1,1 @@
+"""Command-line entry points (``simstream <command>``); parsing only, the work lives in the library."""

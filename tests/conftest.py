@@ -1,0 +1,43 @@
+"""Shared fixtures: every test must leave no process, shared-memory file or thread behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+
+def _shm_files() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves child processes, /dev/shm files or extra threads running."""
+    shm_before, threads_before = _shm_files(), _threads()
+    yield
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        children = mp.active_children()
+        extra_threads = {
+            t for t in _threads() - threads_before if not t.startswith(("QueueFeederThread", "pt_"))
+        }
+        if not children and not extra_threads:
+            break
+        time.sleep(0.05)
+    leaked_shm = {f for f in _shm_files() - shm_before if not f.startswith("sem.")}
+    assert not children, f"test left child processes running: {children}"
+    assert not extra_threads, f"test left threads running: {extra_threads}"
+    assert not leaked_shm, f"test left shared-memory files: {leaked_shm}"

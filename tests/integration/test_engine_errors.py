@@ -1,0 +1,152 @@
+"""Every way a producer can fail reaches the owner and consumers, as the spec names it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
+from tests.support.engines import make_cfg, wait_until
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _started(spec: ScriptedSpec, **overrides) -> OnlineDataEngine:
+    engine = OnlineDataEngine(make_cfg(spec, **overrides))
+    engine.start()
+    return engine
+
+
+def _wait_failed(engine: OnlineDataEngine, timeout_s: float = 5.0) -> float:
+    return wait_until(lambda: engine.state is OnlineDataEngineState.FAILED, timeout_s, "FAILED")
+
+
+def test_worker_exception_arrives_as_the_original_type_everywhere():
+    engine = _started(ScriptedSpec(fault="raise", fault_after=2), refill_policy="manual")
+    engine.request_refill()
+    _wait_failed(engine)
+    with pytest.raises(KeyError, match="scripted failure in rollout") as first:
+        engine.sample_batch(1, 1)
+    with pytest.raises(KeyError) as second:
+        engine.check_health()
+    assert first.value is second.value  # decoded once, the same object every time
+    with pytest.raises(KeyError):
+        engine.request_refill()
+    with pytest.raises(KeyError):
+        engine.stop()  # the first stop reports the failure...
+    engine.stop()  # ...then is a no-op
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_error_during_start_is_raised_by_start():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="raise")))
+    with pytest.raises(KeyError, match="scripted failure"):
+        engine.start()
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_source_build_failure_is_raised_by_start():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="build_raise")))
+    with pytest.raises(ValueError, match="source could not be built"):
+        engine.start()
+
+
+@pytest.mark.parametrize(
+    ("fault", "fragment"),
+    [
+        ("unpicklable", "Worker raised tests.support.sources.UnpicklableError: cannot travel as a pickle"),
+        ("oddinit", "Worker raised tests.support.sources.OddInitError: 7: odd constructor"),
+    ],
+    ids=["unpicklable", "cannot-rebuild"],
+)
+def test_exception_that_cannot_be_rebuilt_becomes_worker_error(fault, fragment):
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault=fault)))
+    with pytest.raises(OnlineDataWorkerError, match=fragment):
+        engine.start()
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [
+        ("sigkill", "exit code -9, signal SIGKILL"),
+        ("segfault", "exit code -11, signal SIGSEGV"),
+        ("exit", "exit code 3"),
+    ],
+    ids=["sigkill", "segfault", "os-exit"],
+)
+def test_hard_death_is_detected_without_sampling(fault, status):
+    engine = _started(ScriptedSpec(fault=fault, fault_after=2), refill_policy="manual")
+    began = time.monotonic()
+    engine.request_refill()
+    _wait_failed(engine, timeout_s=5.0)
+    assert time.monotonic() - began < 2.5
+    with pytest.raises(RuntimeError, match=rf"simulation worker exited unexpectedly \({status}\)"):
+        engine.check_health()
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        engine.stop()
+
+
+def test_bad_episode_report_fails_with_the_row_and_publishes_nothing():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="bad_report", max_episode_steps=20)))
+    with pytest.raises(ValueError, match=r"Episode.length of row 1 must be an int in \[0, 20\], got 21"):
+        engine.start()
+    assert int(engine._shared.index.stable_rows()[:2].sum()) == 0 or engine.get_stats()["valid_frames"] == 0
+
+
+def test_exhausted_attempts_fail_the_engine():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fail_attempts=5), max_generation_attempts=2))
+    with pytest.raises(RuntimeError, match=r"Failed to generate rollout 1 after 2 attempts\."):
+        engine.start()
+    assert engine.get_stats()["failed_episodes"] == 4
+
+
+def test_error_in_source_close_makes_stop_raise_it():
+    engine = _started(ScriptedSpec(close_fault="raise"))
+    with pytest.raises(OSError, match="flush failed while closing the source"):
+        engine.stop()
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_hanging_close_is_forced_and_reported_as_durability_failure():
+    engine = _started(ScriptedSpec(close_fault="hang"), shutdown_timeout=0.5)
+    with pytest.raises(OnlineDataWorkerError, match=r"required terminate\(\)/kill\(\); graceful close"):
+        engine.stop()
+    assert engine.state is OnlineDataEngineState.FAILED
+    engine.stop()
+
+
+def test_context_manager_keeps_the_body_exception_primary():
+    with pytest.raises(ZeroDivisionError) as info:  # noqa: PT012
+        with OnlineDataEngine(make_cfg(ScriptedSpec(close_fault="raise"))):
+            1 / 0  # noqa: B018
+    notes = getattr(info.value, "__notes__", [])
+    assert any("OnlineDataEngine cleanup also failed: OSError: flush failed" in n for n in notes)
+
+
+def test_owner_only_operations_refuse_consumers(tmp_path):
+    import multiprocessing as mp
+
+    with OnlineDataEngine(make_cfg()) as engine:
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_try_owner_calls, args=(engine, queue))
+        child.start()
+        messages = queue.get(timeout=30)
+        child.join(30)
+        assert child.exitcode == 0
+        for op in ("stop", "request_refill", "drain_lifecycle_events", "start"):
+            assert f"OnlineDataEngine.{op}() may only be called by owner process" in messages[op]
+        assert engine.state is OnlineDataEngineState.READY
+
+
+def _try_owner_calls(engine, queue) -> None:
+    messages = {}
+    for op in ("stop", "request_refill", "drain_lifecycle_events", "start"):
+        try:
+            getattr(engine, op)()
+            messages[op] = "no error"
+        except RuntimeError as error:
+            messages[op] = str(error)
+    queue.put(messages)

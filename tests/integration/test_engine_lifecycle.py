@@ -1,0 +1,184 @@
+"""Lifecycle, refill and status of a real engine with real producer processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from simstream import OnlineDataEngine, OnlineDataEngineState
+from tests.support.engines import make_cfg, wait_until
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_start_sample_stop_and_states():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 13)), buffer_size=4))
+    assert engine.state is OnlineDataEngineState.CREATED and not engine.is_init
+    engine.start()
+    try:
+        assert engine.state is OnlineDataEngineState.READY and engine.is_init
+        batch = engine.sample_batch(16, 5)
+        assert batch.batch_size == torch.Size([16, 5])
+        assert bool(batch["valid"].all())
+        steps = batch["obs"][..., 1]
+        assert bool((steps[:, 1:] - steps[:, :-1] == 1).all())
+        assert torch.equal(batch["episode_step"], steps.long())
+        assert torch.equal(batch["actions"][..., 0], batch["obs"][..., 0])
+        stats = engine.get_stats()
+        assert stats["completed_generation"] == 1 and stats["successful_episodes"] == 4
+        assert stats["generated_frames"] == 20 + 13 + 20 + 13 == stats["valid_frames"]
+        assert stats["sampled_chunks"] == 16
+        with pytest.raises(RuntimeError, match="requires state CREATED; current state is READY"):
+            engine.start()
+    finally:
+        engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED and not engine.is_init
+    engine.stop()  # idempotent
+    with pytest.raises(
+        RuntimeError, match=r"sample_batch\(\) requires state READY; current state is STOPPED"
+    ):
+        engine.sample_batch(1, 1)
+
+
+def test_stop_before_start_and_context_manager():
+    engine = OnlineDataEngine(make_cfg())
+    engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED
+    with OnlineDataEngine(make_cfg()) as running:
+        assert running.state is OnlineDataEngineState.READY
+    assert running.state is OnlineDataEngineState.STOPPED
+
+
+def test_two_workers_write_disjoint_rows_with_unique_increasing_episode_ids():
+    spec = ScriptedSpec(num_envs=2, lengths=(20,))
+    with OnlineDataEngine(make_cfg(spec, buffer_size=7, num_workers=2, include_provenance=True)) as engine:
+        buffer = engine.shared_buffer
+        workers = buffer["obs"][:, 0, 2].long().tolist()
+        assert workers == [0, 0, 0, 0, 1, 1, 1]  # worker 0 owns rows 0-3, worker 1 rows 4-6
+        ids = buffer["ods_episode_id"][:, 0].tolist()
+        assert len(set(ids)) == 7
+        generation = engine.request_refill()
+        engine.wait_for_generation(generation, timeout=30)
+        new_ids = buffer["ods_episode_id"][:, 0].tolist()
+        assert min(new_ids) > max(ids) and len(set(new_ids)) == 7
+        assert set(buffer["ods_generation"][:, 0].tolist()) == {2}
+        assert engine.get_stats()["completed_generation"] == 2
+
+
+def test_manual_refill_coalesces_and_wait_for_generation_validates():
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        first = engine.request_refill()
+        assert first == 2
+        assert engine.request_refill() in (2, 3)  # 2 while outstanding, 3 if 2 already finished
+        engine.wait_for_generation(first, timeout=30)
+        assert engine.get_stats()["completed_generation"] >= 2
+        with pytest.raises(ValueError, match="generation must be a positive integer"):
+            engine.wait_for_generation(0)
+        with pytest.raises(ValueError, match="timeout must be finite and positive"):
+            engine.wait_for_generation(1, timeout=float("inf"))
+        with pytest.raises(ValueError, match="generation has not been requested"):
+            engine.wait_for_generation(99)
+        requested = engine.get_stats()["requested_generation"]
+        engine.sample_batch(64, 2)  # the manual policy never requests on its own
+        assert engine.get_stats()["requested_generation"] == requested
+
+
+def test_sample_threshold_policy_requests_refills():
+    with OnlineDataEngine(make_cfg(refill_threshold=1, buffer_size=4)) as engine:
+        assert engine.get_stats()["requested_generation"] == 1
+        engine.sample_batch(4, 3)  # 4 chunks >= 1 * buffer_size
+        assert engine.get_stats()["requested_generation"] == 2
+        engine.wait_for_generation(2, timeout=30)
+
+
+def test_stop_cancels_a_running_start():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall")))
+    errors: list[BaseException] = []
+
+    def run_start() -> None:
+        try:
+            engine.start()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run_start)
+    thread.start()
+    wait_until(lambda: engine.state is OnlineDataEngineState.STARTING, what="STARTING")
+    engine.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "start() was cancelled by stop()" in str(errors[0])
+    assert engine.state is OnlineDataEngineState.STOPPED
+
+
+def test_initial_fill_timeout_fails_the_engine():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall"), initialization_timeout=0.5))
+    with pytest.raises(TimeoutError, match=r"initial buffer fill exceeded 0.5 seconds"):
+        engine.start()
+    assert engine.state is OnlineDataEngineState.FAILED
+    engine.stop()  # cleanup already complete: silent
+
+
+def test_failed_attempts_are_retried_and_never_visible():
+    spec = ScriptedSpec(fail_attempts=1)
+    with OnlineDataEngine(make_cfg(spec, max_generation_attempts=2)) as engine:
+        assert engine.get_stats()["failed_episodes"] == 4  # one failed attempt per window of 2
+        batch = engine.sample_batch(64, 4)
+        assert bool((batch["segment_attempt_id"] == 1).all())
+        assert bool((batch["obs"][..., 0] % 10 == 1).all())  # tag encodes the attempt
+
+
+def test_flow_status_and_budget_snapshot_without_quotas():
+    with OnlineDataEngine(make_cfg()) as engine:
+        status = engine.get_flow_status()
+        assert status == {
+            "requested_generation": 1,
+            "completed_generation": 1,
+            "successful_episodes": 4,
+            "unlocked_remaining_chunks": None,
+            "total_delivered_chunks": None,
+        }
+        snapshot = engine.get_sampling_budget_snapshot()
+        assert snapshot["enabled"] is False and snapshot["rows"] == []
+        assert engine.drain_lifecycle_events() == []
+        engine.check_health()
+
+
+def test_sampling_argument_errors():
+    with OnlineDataEngine(make_cfg(ScriptedSpec(max_episode_steps=20))) as engine:
+        with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
+            engine.sample_batch(0, 2)
+        with pytest.raises(ValueError, match=r"chunk_size \(21\) exceeds max_episode_steps \(20\)"):
+            engine.sample_batch(1, 21)
+        with pytest.raises(ValueError, match="chunk_size must be at least 1, got 0"):
+            engine.sample_batch(1, 0)
+        with pytest.raises(ValueError, match="sampling_mode must be 'episode', 'segment', or 'boundary'"):
+            engine.sample_batch(1, 2, "frames")
+        with pytest.raises(ValueError, match="boundary sampling requires chunk_size >= 2"):
+            engine.sample_batch(1, 1, "boundary")
+        with pytest.raises(Exception, match="No unlocked valid chunk satisfies sampling_mode='boundary'"):
+            engine.sample_batch(1, 2, "boundary")  # one segment per episode: no boundary
+        with pytest.raises(ValueError, match="Context lengths must be positive integers"):
+            engine.sample_batch_with_context(1, 0, 2)
+        with pytest.raises(ValueError, match="Context sampling_mode must be episode or segment"):
+            engine.sample_batch_with_context(1, 2, 2, sampling_mode="boundary")
+        with pytest.raises(ValueError, match="generations must be a nonempty tuple of positive integers"):
+            engine.sample_batch_with_context(1, 2, 2, generations=[1])
+        with pytest.raises(ValueError, match="Source has no generation metadata"):
+            engine.sample_batch_with_context(1, 2, 2, generations=(1,))
+
+
+def test_del_of_an_unstopped_owner_engine_stops_its_workers():
+    engine = OnlineDataEngine(make_cfg())
+    engine.start()
+    pids = [p.pid for p in engine._supervisor.processes.values()]
+    engine.__del__()
+    assert engine.state is OnlineDataEngineState.STOPPED
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,186 @@
+"""Sampling invariants over arbitrary episodes (Hypothesis), on real shared storage in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simstream import DataUnavailableError, Episode, Segment
+from tests.support.harness import Harness
+
+STEPS = 16
+
+
+@st.composite
+def episodes(draw) -> Episode:
+    length = draw(st.integers(0, STEPS))
+    cuts = sorted(draw(st.sets(st.integers(1, max(length - 1, 1)), max_size=4))) if length > 1 else []
+    bounds = [0, *[c for c in cuts if 0 < c < length], length] if length else []
+    segments = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if draw(st.booleans()) or not segments:
+            segments.append(Segment(lo, hi, draw(st.sampled_from([None, "a", "b"])), draw(st.booleans())))
+    continuity = None
+    if length and draw(st.booleans()):
+        continuity = draw(st.lists(st.integers(-1, 2), min_size=length, max_size=length))
+    return Episode(length=length, segments=segments, continuity=continuity)
+
+
+def _expected_ok(episode: Episode, start: int, chunk: int, mode: str) -> bool:
+    """The rule, written frame by frame (the slow, obvious way)."""
+    length = episode.length
+    if start + chunk > length:
+        return False
+    continuity = list(episode.continuity) if episode.continuity is not None else [0] * length
+    seg = [-1] * length
+    acc = [False] * length
+    for k, s in enumerate(episode.segments or [Segment(0, length)]):
+        for t in range(s.start, s.end):
+            seg[t], acc[t] = k, s.accepted
+    window = range(start, start + chunk)
+    if len({continuity[t] for t in window}) != 1 or continuity[start] < 0:
+        return False
+    if mode == "segment":
+        return len({seg[t] for t in window}) == 1 and seg[start] >= 0 and all(acc[t] for t in window)
+    if mode == "boundary":
+        crosses = any(seg[t] != seg[t + 1] for t in range(start, start + chunk - 1))
+        return crosses and all(acc[t] for t in window)
+    return True
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(episodes(), min_size=1, max_size=4),
+    chunk=st.integers(1, 8),
+    mode=st.sampled_from(["episode", "segment", "boundary"]),
+    seed=st.integers(0, 2**31),
+)
+def test_every_sampled_window_obeys_the_mode(rows, chunk, mode, seed):
+    if mode == "boundary" and chunk < 2:
+        chunk = 2
+    harness = Harness(rows=len(rows), steps=STEPS)
+    for row, episode in enumerate(rows):
+        harness.publish(row, episode)
+    eligible = {
+        (row, start)
+        for row, episode in enumerate(rows)
+        for start in range(STEPS)
+        if _expected_ok(episode, start, chunk, mode)
+    }
+    generator = torch.Generator().manual_seed(seed)
+    if not eligible:
+        with pytest.raises(DataUnavailableError, match="No unlocked valid chunk"):
+            harness.sampler.sample_chunks(8, chunk, mode, generator)
+        return
+    batch = harness.sampler.sample_chunks(32, chunk, mode, generator)
+    assert batch.batch_size == torch.Size([32, chunk])
+    assert bool(batch["valid"].all())
+    rows_seen = batch["obs"][:, :, 0]
+    steps_seen = batch["obs"][:, :, 1]
+    assert bool((rows_seen == rows_seen[:, :1]).all()), "a chunk mixes rows"
+    assert bool((steps_seen[:, 1:] - steps_seen[:, :-1] == 1).all()), "a chunk is not consecutive"
+    for row, start in zip(rows_seen[:, 0].long().tolist(), steps_seen[:, 0].long().tolist()):
+        assert (row, start) in eligible
+    # Every eligible row can be drawn: episode-uniform over rows with a window.
+    eligible_rows = {row for row, _ in eligible}
+    big = harness.sampler.sample_chunks(400, chunk, mode, generator)
+    assert set(big["obs"][:, 0, 0].long().tolist()) == eligible_rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(episodes(), min_size=1, max_size=3),
+    history=st.integers(1, 5),
+    horizon=st.integers(1, 5),
+    mode=st.sampled_from(["episode", "segment"]),
+    seed=st.integers(0, 2**31),
+)
+def test_contexts_never_cross_invalid_continuity_or_segment(rows, history, horizon, mode, seed):
+    harness = Harness(rows=len(rows), steps=STEPS)
+    for row, episode in enumerate(rows):
+        harness.publish(row, episode)
+    anchors = {(row, t) for row, e in enumerate(rows) for t in range(STEPS) if _expected_ok(e, t, 1, mode)}
+    generator = torch.Generator().manual_seed(seed)
+    if not anchors:
+        with pytest.raises(DataUnavailableError):
+            harness.sampler.sample_contexts(4, history, horizon, mode, generator)
+        return
+    batch = harness.sampler.sample_contexts(16, history, horizon, mode, generator)
+    now = history - 1
+    assert batch.batch_size == torch.Size([16, history + horizon - 1])
+    valid = batch["valid"]
+    assert bool(valid[:, now].all()), "the anchor is always a real frame"
+    assert torch.equal(batch["loss_mask"], valid & (torch.arange(valid.shape[1]) >= now))
+    for i in range(16):
+        row = int(batch["obs"][i, now, 0])
+        t = int(batch["obs"][i, now, 1])
+        assert (row, t) in anchors
+        episode = rows[row]
+        for j in range(valid.shape[1]):
+            time_j = t + j - now
+            if bool(valid[i, j]):
+                assert int(batch["obs"][i, j, 1]) == time_j
+                lo, hi = min(t, time_j), max(t, time_j)
+                assert _expected_ok(episode, lo, hi - lo + 1, "segment" if mode == "segment" else "episode")
+            else:
+                assert float(batch["obs"][i, j].abs().sum()) == 0.0
+                assert int(batch["task_index"][i, j]) == -1
+                assert int(batch["subtask_index"][i, j]) == -1
+        # the context is the whole contiguous run around the anchor, clipped to the window
+        run = [j for j in range(valid.shape[1]) if bool(valid[i, j])]
+        assert run == list(range(run[0], run[-1] + 1))
+
+
+def test_same_generator_seed_gives_identical_batches():
+    harness = Harness(rows=4, steps=STEPS)
+    for row in range(4):
+        harness.publish(row, Episode(length=10 + row))
+    first = harness.sampler.sample_contexts(8, 3, 4, "episode", torch.Generator().manual_seed(5))
+    second = harness.sampler.sample_contexts(8, 3, 4, "episode", torch.Generator().manual_seed(5))
+    assert (first == second).all()
+    chunks_a = harness.sampler.sample_chunks(8, 4, "episode", torch.Generator().manual_seed(9))
+    chunks_b = harness.sampler.sample_chunks(8, 4, "episode", torch.Generator().manual_seed(9))
+    assert (chunks_a == chunks_b).all()
+
+
+def test_rows_being_written_are_never_sampled():
+    harness = Harness(rows=3, steps=STEPS)
+    for row in range(3):
+        harness.publish(row, Episode(length=12))
+    harness.writer.claim(1, 2)  # a producer starts rewriting row 1
+    batch = harness.sampler.sample_chunks(200, 4, "episode", torch.Generator().manual_seed(0))
+    assert set(batch["obs"][:, 0, 0].long().tolist()) == {0, 2}
+
+
+def test_torn_rows_are_redrawn():
+    """A row claimed between selection and the version check is replaced, never returned."""
+    harness = Harness(rows=2, steps=STEPS)
+    for row in range(2):
+        harness.publish(row, Episode(length=12))
+    gatherer = harness.sampler.gatherer
+    original = gatherer.gather
+    calls = []
+
+    def gather_then_claim(frames, out=None):
+        result = original(frames, out)
+        if not calls:
+            harness.writer.claim(0, 1)  # row 0 is rewritten while the copy is in flight
+        calls.append(frames)
+        return result
+
+    gatherer.gather = gather_then_claim
+    batch = harness.sampler.sample_chunks(64, 4, "episode", torch.Generator().manual_seed(1))
+    assert len(calls) >= 2, "the torn items must be gathered again"
+    assert set(batch["obs"][:, 0, 0].long().tolist()) == {1}
+    assert bool(batch["valid"].all())
+
+
+def test_batches_are_copies():
+    harness = Harness(rows=1, steps=STEPS)
+    harness.publish(0, Episode(length=8))
+    batch = harness.sampler.sample_chunks(2, 4, "episode", None)
+    batch["obs"].zero_()
+    assert float(harness.storage.metadata("episode_step")[0, 3]) == 3
+    assert float(harness.storage.rows_view()["obs"][0, 3, 1]) == 3.0
