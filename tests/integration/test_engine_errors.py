@@ -118,9 +118,9 @@ def test_hanging_close_is_forced_and_reported_as_durability_failure():
 
 
 def test_context_manager_keeps_the_body_exception_primary():
-    with pytest.raises(ZeroDivisionError) as info:  # noqa: PT012
-        with OnlineDataEngine(make_cfg(ScriptedSpec(close_fault="raise"))):
-            1 / 0  # noqa: B018
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(close_fault="raise")))
+    with pytest.raises(ZeroDivisionError) as info, engine:
+        1 / 0  # noqa: B018
     notes = getattr(info.value, "__notes__", [])
     assert any("OnlineDataEngine cleanup also failed: OSError: flush failed" in n for n in notes)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +21,7 @@ def episodes(draw) -> Episode:
     cuts = sorted(draw(st.sets(st.integers(1, max(length - 1, 1)), max_size=4))) if length > 1 else []
     bounds = [0, *[c for c in cuts if 0 < c < length], length] if length else []
     segments = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         if draw(st.booleans()) or not segments:
             segments.append(Segment(lo, hi, draw(st.sampled_from([None, "a", "b"])), draw(st.booleans())))
     continuity = None
