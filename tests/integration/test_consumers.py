@@ -1,0 +1,122 @@
+"""Consumers in other processes: fork, spawn and forkserver children, and DataLoader workers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from simstream import OnlineDataEngine
+from simstream.data import OnlineDataset, UniformChunkSampler
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _consume(engine, queue) -> None:
+    try:
+        batch = engine.sample_batch(8, 4)
+        steps = batch["obs"][..., 1]
+        consecutive = bool((steps[:, 1:] - steps[:, :-1] == 1).all())
+        language = engine.resolve_language(batch[:1, :1])
+        new_text = engine.language_registry.intern("child instruction", kind="subtask")
+        try:
+            engine.stop()
+            stop_message = "no error"
+        except RuntimeError as error:
+            stop_message = str(error)
+        queue.put(
+            {
+                "valid": bool(batch["valid"].all()),
+                "consecutive": consecutive,
+                "language": language,
+                "child_index": new_text,
+                "stop": stop_message,
+                "simulator_imported": "mujoco" in sys.modules,
+                "stats": engine.get_stats()["sampled_chunks"],
+            }
+        )
+    except BaseException as error:
+        queue.put({"error": repr(error)})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_consumer_process_samples_resolves_language_and_cannot_stop(method):
+    with OnlineDataEngine(make_cfg(ScriptedSpec(instruction="pour the tea"))) as engine:
+        ctx = mp.get_context(method)
+        queue = ctx.Queue()
+        child = ctx.Process(target=_consume, args=(engine, queue))
+        child.start()
+        result = queue.get(timeout=60)
+        child.join(30)
+        assert child.exitcode == 0
+        assert "error" not in result, result
+        assert result["valid"] and result["consecutive"]
+        assert result["language"] == {"task": [["pour the tea"]], "subtask": [["pour the tea"]]}
+        assert "may only be called by owner process" in result["stop"]
+        assert result["simulator_imported"] is False
+        assert result["stats"] >= 8  # the child's samples count in the shared counters
+        # interned by the child, resolved by the owner
+        assert engine.language_registry.resolve(torch.tensor(result["child_index"]), kind="subtask") == (
+            "child instruction"
+        )
+        engine.check_health()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_stream_batches(context):
+    with OnlineDataEngine(
+        make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6, refill_threshold=1)
+    ) as engine:
+        dataset = OnlineDataset(engine, chunk_size=UniformChunkSampler(2, 6, seed=3), batch_size=16, seed=11)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context=context,
+            collate_fn=OnlineDataset.passthrough_collate_fn,
+            timeout=60,
+        )
+        seen = []
+        for step, batch in enumerate(loader):
+            assert batch.batch_size[0] == 16 and 2 <= batch.batch_size[1] <= 6
+            assert bool(batch["valid"].all())
+            steps = batch["obs"][..., 1]
+            assert bool((steps[:, 1:] - steps[:, :-1] == 1).all())
+            seen.append(batch)
+            if step == 7:
+                break
+        del loader
+        assert engine.get_stats()["requested_generation"] >= 2  # workers' samples triggered refills
+
+
+def test_dataloader_item_mode_collates_chunks():
+    with OnlineDataEngine(make_cfg()) as engine:
+        dataset = OnlineDataset(engine, chunk_size=5, transform=lambda td: td.select("obs", "valid"))
+        loader = DataLoader(
+            dataset, batch_size=12, num_workers=2, collate_fn=OnlineDataset.collate_fn, timeout=60
+        )
+        batch = next(iter(loader))
+        assert batch.batch_size == torch.Size([12, 5])
+        assert set(batch.keys()) == {"obs", "valid"}
+        assert bool(batch["valid"].all())
+
+
+def test_in_process_dataset_is_reproducible_with_a_seed():
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        first = next(iter(OnlineDataset(engine, chunk_size=3, batch_size=8, seed=4)))
+        second = next(iter(OnlineDataset(engine, chunk_size=3, batch_size=8, seed=4)))
+        assert (first == second).all()
+
+
+def test_dataset_argument_errors():
+    with pytest.raises(TypeError, match="chunk_size must be an int or a ChunkSizeSampler, got str"):
+        OnlineDataset(None, chunk_size="4")
+    with pytest.raises(ValueError, match="chunk_size must be ≥ 1, got 0"):
+        OnlineDataset(None, chunk_size=0)
+    with pytest.raises(ValueError, match="sampling_mode must be"):
+        OnlineDataset(None, chunk_size=2, sampling_mode="frame")

@@ -1,0 +1,50 @@
+"""Chunk-size samplers: validation and distribution bounds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simstream.data import GMMChunkSampler, UniformChunkSampler
+
+
+def test_uniform_validation_and_repr():
+    with pytest.raises(ValueError, match="low must be ≥ 1, got 0"):
+        UniformChunkSampler(0, 3)
+    with pytest.raises(ValueError, match=r"high must be ≥ low \(4\), got 2"):
+        UniformChunkSampler(4, 2)
+    assert repr(UniformChunkSampler(2, 5)) == "UniformChunkSampler(low=2, high=5)"
+
+
+@given(low=st.integers(1, 20), span=st.integers(0, 20), seed=st.integers(0, 1000))
+def test_uniform_stays_in_bounds_and_is_seeded(low, span, seed):
+    a, b = UniformChunkSampler(low, low + span, seed=seed), UniformChunkSampler(low, low + span, seed=seed)
+    draws = [a() for _ in range(20)]
+    assert draws == [b() for _ in range(20)]
+    assert all(low <= d <= low + span for d in draws)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"means": [], "stds": []}, "means must not be empty"),
+        ({"means": [4], "stds": [1, 2]}, "stds must have 1 entries"),
+        ({"means": [4], "stds": [0]}, "every std must be > 0"),
+        ({"means": [4], "stds": [1], "weights": [1, 1]}, "weights must have 1 entries"),
+        ({"means": [4], "stds": [1], "weights": [-1]}, "every weight must be ≥ 0"),
+        ({"means": [4], "stds": [1], "weights": [0]}, "weights must sum to a positive value"),
+        ({"means": [4], "stds": [1], "low": 0}, "low must be ≥ 1"),
+        ({"means": [4], "stds": [1], "high": 0}, "high must be ≥ 1"),
+        ({"means": [4], "stds": [1], "low": 5, "high": 3}, r"high must be ≥ low \(5\)"),
+    ],
+)
+def test_gmm_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GMMChunkSampler(**kwargs)
+
+
+@given(seed=st.integers(0, 10_000))
+def test_gmm_respects_bounds(seed):
+    sampler = GMMChunkSampler([2, 30], [5, 5], weights=[1, 3], low=2, high=24, seed=seed)
+    assert all(2 <= sampler() <= 24 for _ in range(50))
