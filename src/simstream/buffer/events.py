@@ -1,0 +1,244 @@
+"""Bounded shared-memory log of episode lifecycle records (publications and evictions).
+
+Producers append records when they publish or overwrite a buffer row; the owner drains them. The log is
+one ring of ``capacity`` records with fixed-size storage (``capacity * (7 * 8 + 2 * max_steps)`` bytes):
+scalar fields in an int64 table and the frame lists as two boolean masks per record. It has its own
+condition, so appending and draining never touch the buffer's locks.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["LifecycleEventLog"]
+
+_KINDS = ("published", "evicted")
+# Column order of the int64 record table.
+_FIELDS = ("kind", "sequence", "run_id", "episode_id", "generation", "slot", "monotonic_ns")
+_SCALARS = _FIELDS[2:]
+
+
+def _shared_tensor(ctx: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[Any, torch.Tensor]:
+    """Allocates a zeroed ``ctx.RawArray`` and a tensor view of it (the array is what pickles)."""
+    raw = ctx.RawArray("B", math.prod(shape) * dtype.itemsize)
+    return raw, _view(raw, dtype, shape)
+
+
+def _view(raw: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+
+class LifecycleEventLog:
+    """Owns a bounded FIFO of lifecycle records in shared memory, appended by several processes.
+
+    Records get consecutive sequence numbers ``0, 1, 2, ...`` in append order; ``drain`` returns them in
+    that order. Invariants: ``0 <= next_sequence - drained <= capacity``; records ``drained ..
+    next_sequence - 1`` are pending at ring positions ``sequence % capacity``. A full log rejects an
+    append whole; producers call :meth:`wait_for_space` first to back-pressure instead.
+
+    Args:
+        capacity: Maximum number of pending records.
+        max_steps: Length ``T`` of the frame masks of each record (the buffer's row capacity).
+        ctx: Multiprocessing context that allocates the shared state (default: forkserver).
+
+    Raises:
+        ValueError: If ``capacity`` or ``max_steps`` is not an ``int`` of at least 1.
+
+    Examples:
+        >>> log = LifecycleEventLog(capacity=4, max_steps=3)
+        >>> mask = torch.tensor([True, True, False])
+        >>> log.append([dict(kind="published", run_id=7, episode_id=0, generation=1, slot=0,
+        ...                  monotonic_ns=1, valid_mask=mask, anchor_mask=mask)])
+        [0]
+        >>> log.drain()[0]["valid_frame_indices"]
+        [0, 1]
+    """
+
+    def __init__(self, capacity: int, max_steps: int, ctx: Any = None) -> None:
+        for name, value in (("capacity", capacity), ("max_steps", max_steps)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"LifecycleEventLog.{name} must be an int >= 1, got {value!r}")
+        ctx = ctx if ctx is not None else multiprocessing.get_context("forkserver")
+        self.capacity = capacity
+        self.max_steps = max_steps
+        self._condition = ctx.Condition(ctx.Lock())
+        # [next_sequence, drained]: sequences below `drained` have been handed to the owner.
+        self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (2,))
+        self._raw_table, self._table = _shared_tensor(ctx, torch.int64, (capacity, len(_FIELDS)))
+        self._raw_masks, self._masks = _shared_tensor(ctx, torch.bool, (capacity, 2, max_steps))
+
+    # Tensor views are rebuilt from the raw arrays, which pickle only while a child is being created.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_cursor", "_table", "_masks"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cursor = _view(self._raw_cursor, torch.int64, (2,))
+        self._table = _view(self._raw_table, torch.int64, (self.capacity, len(_FIELDS)))
+        self._masks = _view(self._raw_masks, torch.bool, (self.capacity, 2, self.max_steps))
+
+    def pending(self) -> int:
+        """Number of records appended and not drained yet."""
+        with self._condition:
+            return self._pending_locked()
+
+    def free_slots(self) -> int:
+        """Number of records that can be appended before the log is full."""
+        with self._condition:
+            return self.capacity - self._pending_locked()
+
+    def append(self, records: Sequence[dict[str, Any]]) -> list[int]:
+        """Appends ``records`` in order, all or none, and returns their sequence numbers.
+
+        Args:
+            records: Dicts with ``kind`` (``"published"`` or ``"evicted"``), int ``run_id``,
+                ``episode_id``, ``generation``, ``slot``, ``monotonic_ns`` and bool tensors ``valid_mask``
+                and ``anchor_mask`` of shape ``[max_steps]``. Anchors are kept only where frames are
+                valid.
+
+        Returns:
+            The sequence numbers assigned, consecutive and in the order of ``records``.
+
+        Raises:
+            ValueError: If a record is malformed; nothing is written.
+            RuntimeError: If fewer than ``len(records)`` slots are free; nothing is written.
+        """
+        if not records:
+            return []
+        rows, valid, anchor = self._encode(records)
+        count = len(records)
+        with self._condition:
+            first = int(self._cursor[0])
+            if self._pending_locked() + count > self.capacity:
+                raise RuntimeError("ODS lifecycle event capacity exhausted")
+            sequences = torch.arange(first, first + count, dtype=torch.int64)
+            positions = sequences % self.capacity
+            rows[:, 1] = sequences
+            self._table[positions] = rows
+            self._masks[positions, 0] = valid
+            self._masks[positions, 1] = anchor
+            # Publishing the cursor last keeps a concurrent drain from reading half-written records.
+            self._cursor[0] = first + count
+            self._condition.notify_all()
+        return sequences.tolist()
+
+    def wait_for_space(self, count: int, should_stop: Callable[[], bool], poll_s: float = 0.05) -> bool:
+        """Blocks until ``count`` slots are free or ``should_stop()`` returns true.
+
+        Waits on the log's condition in slices of at most ``poll_s`` seconds (a drain wakes it at once)
+        and calls ``should_stop`` between slices, without holding the log's lock.
+
+        Args:
+            count: Slots needed, ``0 <= count <= capacity`` (more could never become free).
+            should_stop: Polled between waits; returning true abandons the wait.
+            poll_s: Longest single wait in seconds.
+
+        Returns:
+            True once the space is free (it stays free until someone appends), False if stopped first.
+
+        Raises:
+            ValueError: If ``count`` is outside ``[0, capacity]`` or ``poll_s`` is not positive.
+        """
+        if type(count) is not int or not 0 <= count <= self.capacity:
+            raise ValueError(
+                f"LifecycleEventLog.wait_for_space count must be an int in [0, {self.capacity}], "
+                f"got {count!r}"
+            )
+        if not poll_s > 0:
+            raise ValueError(f"LifecycleEventLog.wait_for_space poll_s must be > 0, got {poll_s!r}")
+        while True:
+            with self._condition:
+                if self.capacity - self._pending_locked() >= count:
+                    return True
+            if should_stop():
+                return False
+            with self._condition:
+                # Re-checked under the lock so a drain between the two blocks is not slept through.
+                if self.capacity - self._pending_locked() < count:
+                    self._condition.wait(poll_s)
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Removes and returns every pending record in sequence order, waking producers waiting for space.
+
+        Returns:
+            Plain dicts (no shared memory) with ``kind``, ``sequence``, ``run_id``, ``episode_id``,
+            ``generation``, ``slot``, ``monotonic_ns``, ``valid_frame_indices``,
+            ``eligible_anchor_indices`` (lists of frame indices), ``valid_frames`` and
+            ``eligible_anchors`` (their lengths).
+        """
+        with self._condition:
+            end, start = (int(value) for value in self._cursor)
+            if end == start:
+                return []
+            positions = torch.arange(start, end, dtype=torch.int64) % self.capacity
+            table = self._table[positions].clone()
+            masks = self._masks[positions].clone()
+            self._cursor[1] = end
+            self._condition.notify_all()
+        return _decode(table, masks)
+
+    def state_dict(self) -> dict[str, int]:
+        """Counters of the log: ``next_sequence`` (records ever appended) and ``pending``."""
+        with self._condition:
+            end, start = (int(value) for value in self._cursor)
+        return {"next_sequence": end, "pending": end - start}
+
+    def _pending_locked(self) -> int:
+        return int(self._cursor[0] - self._cursor[1])
+
+    def _encode(self, records: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+        """Validates records and packs them into the table row and mask layout."""
+        rows = torch.empty((len(records), len(_FIELDS)), dtype=torch.int64)
+        valid = torch.empty((len(records), self.max_steps), dtype=torch.bool)
+        anchor = torch.empty_like(valid)
+        for i, record in enumerate(records):
+            if record.get("kind") not in _KINDS:
+                raise ValueError(
+                    f"lifecycle record {i} kind must be one of {_KINDS}, got {record.get('kind')!r}"
+                )
+            values = [_KINDS.index(record["kind"]), -1]
+            for name in _SCALARS:
+                value = record.get(name)
+                if type(value) is not int or not -(2**63) <= value < 2**63:
+                    raise ValueError(f"lifecycle record {i} {name} must be an int64, got {value!r}")
+                values.append(value)
+            rows[i] = torch.tensor(values, dtype=torch.int64)
+            for name, out in (("valid_mask", valid), ("anchor_mask", anchor)):
+                mask = record.get(name)
+                if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (self.max_steps,):
+                    raise ValueError(
+                        f"lifecycle record {i} {name} must be a tensor of shape ({self.max_steps},)"
+                    )
+                out[i] = mask.detach().to(device="cpu", dtype=torch.bool)
+        return rows, valid, anchor & valid
+
+
+def _decode(table: torch.Tensor, masks: torch.Tensor) -> list[dict[str, Any]]:
+    """Turns drained table rows and masks into plain Python records."""
+    valid_lists = _frame_lists(masks[:, 0])
+    anchor_lists = _frame_lists(masks[:, 1])
+    records = []
+    for values, frames, anchors in zip(table.tolist(), valid_lists, anchor_lists):
+        record: dict[str, Any] = dict(zip(_FIELDS, values))
+        record["kind"] = _KINDS[record["kind"]]
+        record["valid_frame_indices"] = frames
+        record["eligible_anchor_indices"] = anchors
+        record["valid_frames"] = len(frames)
+        record["eligible_anchors"] = len(anchors)
+        records.append(record)
+    return records
+
+
+def _frame_lists(mask: torch.Tensor) -> list[list[int]]:
+    """Per row of a ``[N, T]`` bool mask, the list of set column indices (one nonzero for all rows)."""
+    counts = mask.sum(dim=1).tolist()
+    columns = mask.nonzero()[:, 1]
+    return [part.tolist() for part in torch.split(columns, counts)]
