@@ -1,0 +1,118 @@
+"""A synthetic episode source: no simulator, controllable cost, the reference benchmark's layout.
+
+Used by ``simstream stream``, the benchmarks and anyone who wants to exercise the engine without MuJoCo.
+Each episode is a smooth random walk with ``num_segments`` labelled sub-tasks; ``work_us_per_step`` burns
+CPU per frame to stand in for a simulator step, so production throughput can be measured honestly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sources import Episode, Field, Segment
+
+__all__ = ["SyntheticSpec"]
+
+_COLOURS = ("red", "green", "blue", "yellow")
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Picklable spec of the synthetic source (field layout of the reference streaming workload)."""
+
+    num_envs: int = 4
+    """Rows written per rollout."""
+    max_episode_steps: int = 300
+    """Row capacity T."""
+    min_length: int = 200
+    """Shortest episode; lengths are uniform in ``[min_length, max_episode_steps]``."""
+    state_dim: int = 64
+    qpos_dim: int = 14
+    action_dim: int = 14
+    image_size: int | None = None
+    """Side of an optional ``obs/image`` uint8 ``[3, S, S]`` field."""
+    num_segments: int = 4
+    work_us_per_step: float = 0.0
+    """CPU time burnt per frame (a stand-in for simulation cost)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_envs", "max_episode_steps", "min_length", "state_dim", "qpos_dim", "action_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"SyntheticSpec.{name} must be an int >= 1, got {value!r}")
+        if self.min_length > self.max_episode_steps:
+            raise ValueError(
+                f"SyntheticSpec.min_length must be <= max_episode_steps ({self.max_episode_steps}), "
+                f"got {self.min_length}"
+            )
+        if type(self.num_segments) is not int or not 1 <= self.num_segments <= self.min_length:
+            raise ValueError(
+                f"SyntheticSpec.num_segments must be an int in [1, {self.min_length}], "
+                f"got {self.num_segments!r}"
+            )
+
+    def fields(self) -> Mapping[str, Field]:
+        fields = {
+            "obs/state": Field((self.state_dim,)),
+            "obs/qpos": Field((self.qpos_dim,)),
+            "actions": Field((self.action_dim,)),
+            "rewards": Field(()),
+        }
+        if self.image_size is not None:
+            fields["obs/image"] = Field((3, self.image_size, self.image_size), torch.uint8)
+        return fields
+
+    def build(self, worker_index: int, seed: int) -> SyntheticSource:
+        return SyntheticSource(self, seed)
+
+
+class SyntheticSource:
+    """Worker-side synthetic source; deterministic for a given seed."""
+
+    def __init__(self, spec: SyntheticSpec, seed: int) -> None:
+        self.spec = spec
+        self.rng = np.random.default_rng(seed)
+
+    def rollout(self, rows, *, attempt: int, should_stop) -> list[Episode] | None:
+        spec = self.spec
+        episodes = []
+        for row in range(rows.batch_size[0]):
+            if should_stop():
+                return None
+            length = int(self.rng.integers(spec.min_length, spec.max_episode_steps + 1))
+            walk = np.cumsum(self.rng.normal(0, 0.05, (length, spec.state_dim)), axis=0, dtype=np.float32)
+            rows["obs", "state"][row, :length] = torch.from_numpy(walk)
+            rows["obs", "qpos"][row, :length] = torch.from_numpy(walk[:, : spec.qpos_dim])
+            rows["actions"][row, :length] = torch.from_numpy(
+                np.diff(walk[:, : spec.action_dim], axis=0, prepend=0)
+            )
+            rows["rewards"][row, :length] = torch.linspace(0, 1, length)
+            if spec.image_size is not None:
+                rows["obs", "image"][row, :length] = int(self.rng.integers(0, 256))
+            colour = _COLOURS[int(self.rng.integers(len(_COLOURS)))]
+            cuts = np.linspace(0, length, spec.num_segments + 1).astype(int)
+            segments = [
+                Segment(int(lo), int(hi), f"phase {k} with the {colour} block")
+                for k, (lo, hi) in enumerate(itertools.pairwise(cuts))
+            ]
+            self._burn(length)
+            episodes.append(
+                Episode(length, instruction=f"move the {colour} block", segments=segments, terminated=True)
+            )
+        return episodes
+
+    def _burn(self, frames: int) -> None:
+        if self.spec.work_us_per_step <= 0:
+            return
+        deadline = time.perf_counter() + frames * self.spec.work_us_per_step * 1e-6
+        while time.perf_counter() < deadline:
+            pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,191 @@
+"""Provenance, per-episode quotas, the lifecycle log, language and contexts through real workers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from simstream import DataBudgetExhaustedError, OnlineDataEngine, OnlineDataEngineState
+from tests.support.engines import make_cfg, wait_until
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+SEGMENTED = ScriptedSpec(
+    num_envs=2,
+    max_episode_steps=20,
+    lengths=(20, 14),
+    segments=((0, 6, "reach the cup", True), (6, 10, None, False), (10, 20, "lift the cup", True)),
+    continuity=(0,) * 12 + (1,) * 8,
+    instruction="serve tea",
+)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_provenance_is_stamped_on_valid_frames_only(workers):
+    cfg = make_cfg(SEGMENTED, buffer_size=4, num_workers=workers, include_provenance=True)
+    with OnlineDataEngine(cfg) as engine:
+        buffer = engine.shared_buffer
+        valid = buffer["valid"]
+        assert bool((buffer["ods_run_id"][valid] == engine.run_id).all())
+        assert bool((buffer["ods_run_id"][~valid] == -1).all())
+        assert torch.equal(buffer["ods_frame_index"][valid], buffer["episode_step"][valid])
+        assert sorted(buffer["ods_episode_id"][:, 0].tolist()) == [0, 1, 2, 3]
+        assert bool((buffer["ods_generation"][valid] == 1).all())
+        published = buffer["ods_published_at_monotonic_ns"][:, 0]
+        assert bool((published > 0).all())
+        batch = engine.sample_batch(32, 3)
+        assert bool((batch["ods_run_id"] == engine.run_id).all())
+        assert bool((batch["ods_frame_index"][:, 1:] - batch["ods_frame_index"][:, :-1] == 1).all())
+
+
+def test_segment_metadata_and_language_are_derived_from_the_report():
+    with OnlineDataEngine(make_cfg(SEGMENTED, buffer_size=2)) as engine:
+        row = engine.shared_buffer[0]  # length 20
+        assert row["segment_id"][:20].tolist() == [0] * 6 + [1] * 4 + [2] * 10
+        assert row["segment_step"][:8].tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
+        assert row["segment_accepted"][:20].tolist() == [True] * 6 + [False] * 4 + [True] * 10
+        assert row["segment_start"][:20].nonzero().squeeze(1).tolist() == [0, 6, 10]
+        assert row["segment_end"][:20].nonzero().squeeze(1).tolist() == [5, 9, 19]
+        assert row["continuity_id"][:20].tolist() == [0] * 12 + [1] * 8
+        assert bool(row["terminated"][19]) and not bool(row["terminated"][:19].any())
+        text = engine.resolve_language(engine.shared_buffer[:1, :20])
+        assert text["task"][0] == ["serve tea"] * 20
+        # the unnamed segment inherits the task text
+        assert text["subtask"][0] == ["reach the cup"] * 6 + ["serve tea"] * 4 + ["lift the cup"] * 10
+        # segment windows stay in one accepted segment; boundary windows cross accepted segments only
+        segment = engine.sample_batch(64, 3, "segment")
+        assert bool((segment["segment_id"] == segment["segment_id"][:, :1]).all())
+        assert bool(segment["segment_accepted"].all())
+        # the only segment changes border the unaccepted segment: no boundary window exists
+        with pytest.raises(Exception, match="No unlocked valid chunk satisfies sampling_mode='boundary'"):
+            engine.sample_batch(1, 2, "boundary")
+        # no mode crosses the continuity change at frame 12
+        episode = engine.sample_batch(128, 4)
+        assert bool((episode["continuity_id"] == episode["continuity_id"][:, :1]).all())
+
+
+def test_boundary_windows_cross_accepted_segments():
+    spec = ScriptedSpec(lengths=(20,), segments=((0, 6, "a", True), (6, 9, "b", True), (9, 20, "c", True)))
+    with OnlineDataEngine(make_cfg(spec, buffer_size=2)) as engine:
+        boundary = engine.sample_batch(256, 4, "boundary")
+        segments = boundary["segment_id"]
+        assert bool((segments[:, 1:] != segments[:, :-1]).any(1).all())
+        starts = set(boundary["episode_step"][:, 0].tolist())
+        assert starts == {3, 4, 5, 6, 7, 8}  # every start whose window crosses 5|6 or 8|9
+
+
+def test_segment_context_is_clipped_to_the_anchor_segment():
+    with OnlineDataEngine(make_cfg(SEGMENTED, buffer_size=2)) as engine:
+        batch = engine.sample_batch_with_context(64, 4, 5, sampling_mode="segment")
+        now = 3
+        valid = batch["valid"]
+        anchor_segment = batch["segment_id"][:, now : now + 1]
+        assert bool((batch["segment_id"][valid] == anchor_segment.expand_as(valid)[valid]).all())
+        assert bool(batch["segment_accepted"][valid].all())
+        assert bool((batch["task_index"][~valid] == -1).all())
+        assert torch.equal(batch["loss_mask"], valid & (torch.arange(8) >= now))
+
+
+def test_generation_filter_restricts_context_anchors():
+    cfg = make_cfg(buffer_size=4, include_provenance=True, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        engine.wait_for_generation(engine.request_refill(), timeout=30)
+        batch = engine.sample_batch_with_context(32, 2, 2, generations=(2,))
+        assert bool((batch["ods_generation"][batch["valid"]] == 2).all())
+        with pytest.raises(Exception, match="No unlocked valid chunk"):
+            engine.sample_batch_with_context(4, 2, 2, generations=(1,))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_quota_charges_whole_batches_and_refreshes_with_new_episodes(workers):
+    cfg = make_cfg(
+        buffer_size=4,
+        num_workers=workers,
+        episode_sample_budget=3,
+        episode_sample_hard_limit=5,
+        refill_policy="manual",
+    )
+    with OnlineDataEngine(cfg) as engine:
+        snapshot = engine.get_sampling_budget_snapshot()
+        assert snapshot["enabled"] and snapshot["unlocked_remaining_chunks"] == 12
+        assert len(snapshot["rows"]) == 4 and all(r["assigned"] == 3 for r in snapshot["rows"])
+        engine.sample_batch(10, 2)
+        assert engine.get_flow_status()["unlocked_remaining_chunks"] == 2
+        with pytest.raises(DataBudgetExhaustedError, match=r"complete batch of 3 chunks; remaining=2\."):
+            engine.sample_batch(3, 2)
+        assert engine.get_flow_status()["total_delivered_chunks"] == 10  # nothing charged
+        engine.sample_batch_with_context(2, 2, 2)
+        assert engine.get_flow_status()["unlocked_remaining_chunks"] == 0
+        delivered = {r["slot"]: r["delivered"] for r in engine.get_sampling_budget_snapshot()["rows"]}
+        assert all(d == 3 for d in delivered.values())
+        engine.wait_for_generation(engine.request_refill(), timeout=30)
+        fresh = engine.get_sampling_budget_snapshot()
+        assert fresh["unlocked_remaining_chunks"] == 12 and fresh["total_delivered_chunks"] == 12
+        assert min(r["episode_id"] for r in fresh["rows"]) == 4
+
+
+def test_lifecycle_log_orders_published_and_evicted_records_across_a_refill():
+    spec = ScriptedSpec(num_envs=2, lengths=(20, 5))
+    cfg = make_cfg(spec, buffer_size=4, lifecycle_event_capacity=8, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        first = engine.drain_lifecycle_events()
+        assert [(e["kind"], e["slot"], e["episode_id"]) for e in first] == [
+            ("published", 0, 0),
+            ("published", 1, 1),
+            ("published", 2, 2),
+            ("published", 3, 3),
+        ]
+        assert [e["sequence"] for e in first] == [0, 1, 2, 3]
+        assert first[1]["valid_frames"] == 5 and first[1]["valid_frame_indices"] == [0, 1, 2, 3, 4]
+        assert engine.drain_lifecycle_events() == []
+        engine.wait_for_generation(engine.request_refill(), timeout=30)
+        second = engine.drain_lifecycle_events()
+        assert [(e["kind"], e["slot"], e["episode_id"]) for e in second] == [
+            ("evicted", 0, 0),
+            ("evicted", 1, 1),
+            ("published", 0, 4),
+            ("published", 1, 5),
+            ("evicted", 2, 2),
+            ("evicted", 3, 3),
+            ("published", 2, 6),
+            ("published", 3, 7),
+        ]
+        assert all(e["generation"] == 2 for e in second if e["kind"] == "published")
+        assert all(e["run_id"] == engine.run_id for e in second)
+
+
+def test_full_lifecycle_log_back_pressures_producers_but_not_sampling():
+    cfg = make_cfg(buffer_size=4, lifecycle_event_capacity=8, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        generation = engine.request_refill()  # the log still holds the 4 undrained records of generation 1
+        with pytest.raises(TimeoutError, match=f"ODS generation {generation} was not published"):
+            engine.wait_for_generation(generation, timeout=0.5)
+        engine.sample_batch(8, 2)  # sampling keeps working meanwhile
+        assert engine.state is OnlineDataEngineState.READY
+        records = engine.drain_lifecycle_events()  # 4 old + the first window's 2 evicted + 2 published
+        assert len(records) == 8
+        engine.wait_for_generation(generation, timeout=30)
+        records += engine.drain_lifecycle_events()
+        fresh = [e for e in records if e["kind"] == "published" and e["generation"] == 2]
+        assert sorted(e["slot"] for e in fresh) == [0, 1, 2, 3]
+        assert [e["sequence"] for e in records] == list(range(len(records)))
+
+
+def test_stop_completes_during_back_pressure():
+    cfg = make_cfg(buffer_size=4, lifecycle_event_capacity=8, refill_policy="manual", shutdown_timeout=5.0)
+    engine = OnlineDataEngine(cfg)
+    engine.start()
+    engine.request_refill()
+    done = threading.Event()
+
+    def stop() -> None:
+        engine.stop()
+        done.set()
+
+    threading.Thread(target=stop).start()
+    assert done.wait(10), "stop() must not wait for the log to be drained"
+    assert engine.state is OnlineDataEngineState.STOPPED
+    wait_until(lambda: not engine._supervisor, 5, "workers released")
