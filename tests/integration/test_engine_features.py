@@ -189,3 +189,10 @@ def test_stop_completes_during_back_pressure():
     assert done.wait(10), "stop() must not wait for the log to be drained"
     assert engine.state is OnlineDataEngineState.STOPPED
     wait_until(lambda: not engine._supervisor, 5, "workers released")
+
+
+def test_language_registry_overflow_fails_the_engine_naming_the_setting():
+    engine = OnlineDataEngine(make_cfg(language_buffer_bytes=16))
+    with pytest.raises(OverflowError, match="exhausted language_buffer_bytes=16; increase the capacity"):
+        engine.start()
+    assert engine.state is OnlineDataEngineState.FAILED
