@@ -182,3 +182,47 @@ def test_del_of_an_unstopped_owner_engine_stops_its_workers():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+from simstream import OnlineDataEngine
+from tests.support.engines import make_cfg
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(make_cfg(num_workers=2))
+    engine.start()
+    print(" ".join(str(p.pid) for p in engine._supervisor.processes.values()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_producers_exit_when_the_owner_is_killed(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "owner.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 2, result.stderr[-2000:]
+
+    def all_gone() -> bool:
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                return False
+            except ProcessLookupError:
+                pass
+        return True
+
+    wait_until(all_gone, 10, "orphaned producers to exit")

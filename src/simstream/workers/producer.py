@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing as mp
 import pickle
 import time
 
@@ -61,9 +62,13 @@ class _Producer:
         self.num_envs = num_envs
         self.source = source
         self.writer = EpisodeWriter(shared.storage, shared.index, shared.language, shared.run_id)
+        self._owner = mp.parent_process()
 
     def closing(self) -> bool:
-        return self.shared.close_event.is_set()
+        """Stop when the owner asks, or when the owner process is gone (nobody could ever ask)."""
+        if self.shared.close_event.is_set():
+            return True
+        return self._owner is not None and not self._owner.is_alive()
 
     def run(self) -> None:
         progress = self.shared.progress
