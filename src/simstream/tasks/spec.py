@@ -31,7 +31,7 @@ class TaskSourceSpec:
     num_envs: int = 1
     """Episodes (buffer rows) per rollout."""
     max_episode_steps: int = 200
-    """Row capacity T; episodes that have not succeeded by then are truncated (expert: ~80 steps)."""
+    """Row capacity T; episodes that have not succeeded by then are truncated (expert: 57-81 steps)."""
     image_size: tuple[int, int] | None = None
     """``(H, W)`` of ``obs/image``; ``None`` records no image (an int n means ``(n, n)``)."""
     camera: str = "front"
