@@ -26,8 +26,8 @@ CARRY_HEIGHT = 0.20
 """TCP height (m) while lifting and carrying: clear of the bin rim and the other cubes."""
 PREGRASP = 0.10
 """Height (m) above the cube centre where the descent starts."""
-FAST, SLOW = 0.6, 0.25
-"""TCP speed limits (m/s) in free space and near contact."""
+FAST, LIFT, SLOW = 0.6, 0.4, 0.25
+"""TCP speed limits (m/s): free space, lifting a cube, near contact."""
 YAW_RATE = 2.0
 """Yaw speed limit (rad/s)."""
 HELD_DISTANCE = 0.03
@@ -72,8 +72,8 @@ class ScriptedExpert:
         return np.concatenate([self.q_cmd, [self.grip]]).astype(np.float32)
 
     # ------------------------------------------------------------------ state machine
-    def _goto(self, phase: Phase, stage: int = 0) -> None:
-        self.phase, self.stage, self.timer = phase, stage, 0
+    def _goto(self, phase: Phase) -> None:
+        self.phase, self.stage, self.timer = phase, 0, 0
         self.hold = None
 
     def _arrived(self, target: np.ndarray, tolerance: float) -> bool:
@@ -128,7 +128,7 @@ class ScriptedExpert:
             held_yaw = self.scene.cube_yaw(self.env.goal.subject)
             turn = 0.0 if wanted is None else quarter_turn(wanted - held_yaw)
             self.place_yaw = self.yaw_cmd + turn
-        return target, 0.4, self.yaw_cmd
+        return target, LIFT, self.yaw_cmd
 
     def _place(self, cube: np.ndarray) -> tuple[np.ndarray, float, float]:
         point, _ = self.env.task.release_point(self.scene, self.env.goal)
