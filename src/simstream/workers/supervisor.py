@@ -65,6 +65,13 @@ class Heartbeat:
         """Seconds since worker ``index`` last beat (``CLOCK_MONOTONIC`` is system-wide on Linux)."""
         return time.monotonic() - self._stamps[index]
 
+    def hold(self, index: int, seconds: float) -> None:
+        """Count worker ``index`` as alive for the next ``seconds`` (a start-up grace before its first beat).
+
+        The next :meth:`beat` ends the grace; hang detection then uses the normal timeout again.
+        """
+        self._stamps[index] = time.monotonic() + seconds
+
     def reset(self) -> None:
         now = time.monotonic()
         for i in range(len(self._stamps)):

@@ -1,0 +1,144 @@
+"""``simstream rl``: asynchronous PPO on a gymnasium MuJoCo task, with a progress bar and a run report.
+
+Writes TensorBoard logs, checkpoints, ``learning_curve.png`` and ``summary.json`` to ``runs/<name>/``.
+Exit codes: 0 done, 3 the collector died (its report is printed to stderr), 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
+
+from simstream.rl.config import APPOConfig
+
+__all__ = ["EXIT_COLLECTOR_DIED", "RLArgs", "main"]
+
+EXIT_COLLECTOR_DIED = 3
+
+
+@dataclass(frozen=True)
+class RLArgs:
+    """Train asynchronous PPO (V-trace + target network) while a collector process steps the envs.
+
+    ``--env`` is short for ``--env-id``.
+    """
+
+    iterations: int = 100_000
+    """Most updates to run."""
+    max_env_frames: int | None = 1_000_000
+    """Stop after the collector has stepped this many frames (None: only --iterations bounds the run)."""
+    target_return: float | None = None
+    """Stop once the mean return of the last stats-window episodes reaches this."""
+    name: str | None = None
+    """Run name; output goes to <runs-dir>/<name>/ (default: <env>-<mode>-<time>)."""
+    runs_dir: str = "runs"
+    resume: str | None = None
+    """A checkpoint (model_<n>.pt) to continue from: model, optimiser, normaliser, target net, versions."""
+    save_interval: int = 50
+    """Save a checkpoint every this many updates."""
+    progress: bool = True
+    """Show a progress bar (env frames/s, episode return, policy lag)."""
+    ppo: Annotated[APPOConfig, tyro.conf.arg(name="")] = field(default_factory=APPOConfig)
+    """Algorithm and collector settings."""
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` with tyro, train, write the report; returns the exit code."""
+    argv = ["--env-id" if a == "--env" else a.replace("--env=", "--env-id=", 1) for a in argv]
+    try:
+        args = tyro.cli(RLArgs, args=argv, prog="simstream rl")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except ValueError as error:  # a config field out of range
+        print(f"simstream rl: {error}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args: RLArgs) -> int:
+    from simstream.rl import APPORunner, CollectorDiedError
+    from simstream.rl.report import write_learning_curve, write_summary
+
+    cfg = args.ppo
+    mode = "serial" if cfg.serial else "sync" if cfg.sync else "async"
+    name = args.name or f"{cfg.env_id.split(':')[-1]}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(args.runs_dir, name)
+    os.makedirs(run_dir, exist_ok=True)
+    print(f"simstream rl: {mode} PPO on {cfg.env_id}, {cfg.num_envs} envs; writing to {run_dir}", flush=True)
+    bar = _Bar(args.max_env_frames) if args.progress else None
+    code = 0
+    runner = None
+    try:
+        runner = APPORunner(cfg, resume=args.resume)
+        with runner:
+            runner.learn(
+                args.iterations,
+                save_interval=args.save_interval,
+                log_dir=run_dir,
+                max_env_frames=args.max_env_frames,
+                target_return=args.target_return,
+                callback=bar.update_row if bar else None,
+            )
+    except CollectorDiedError as error:
+        code = EXIT_COLLECTOR_DIED
+        _close(bar)
+        print(
+            f"\nsimstream rl: the collector process died; training stopped.\n{error.report}", file=sys.stderr
+        )
+    except KeyboardInterrupt:
+        code = 130
+        _close(bar)
+        print("\nsimstream rl: interrupted", file=sys.stderr)
+    except Exception as error:  # the CLI reports; the library raises
+        code = 1
+        _close(bar)
+        print(f"\nsimstream rl: {type(error).__name__}: {error}", file=sys.stderr)
+    _close(bar)
+    if runner is not None and runner.last_run_summary is not None:
+        summary = dict(runner.last_run_summary, run_dir=run_dir, close_report=repr(runner.last_close_report))
+        write_summary(summary, os.path.join(run_dir, "summary.json"))
+        if runner.history:
+            write_learning_curve(runner.history, os.path.join(run_dir, "learning_curve.png"),
+                                 f"{mode} PPO on {cfg.env_id}")  # fmt: skip
+        _print_summary(summary)
+    return code
+
+
+class _Bar:
+    def __init__(self, total: int | None) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="frames", unit_scale=True, dynamic_ncols=True)
+        self.last_frames = 0
+
+    def update_row(self, row: dict[str, float]) -> None:
+        frames = int(row["rl/env_frames"])
+        self.bar.update(frames - self.last_frames)
+        self.last_frames = frames
+        self.bar.set_postfix(
+            fps=f"{frames / max(row['rl/wall_s'], 1e-9):.0f}",
+            ret=f"{row['rl/return']:.1f}",
+            lag=f"{row['rl/policy_lag']:.1f}",
+            it=int(row["rl/iteration"]),
+            refresh=False,
+        )
+
+
+def _close(bar: _Bar | None) -> None:
+    if bar is not None:
+        bar.bar.close()
+
+
+def _print_summary(summary: dict) -> None:
+    fields = (
+        "status", "iterations", "env_frames", "wall_time_s", "env_frames_per_s", "final_return",
+        "best_return", "mean_policy_lag", "dropped_overflow", "dropped_stale", "last_checkpoint",
+    )  # fmt: skip
+    width = max(map(len, fields))
+    print("\n".join(f"  {k:<{width}}  {summary.get(k)}" for k in fields))
+    print(f"  report: {summary['run_dir']}/learning_curve.png, summary.json, TensorBoard logs")

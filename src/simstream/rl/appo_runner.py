@@ -1,0 +1,323 @@
+"""``APPORunner``: asynchronous PPO on gymnasium MuJoCo tasks, on top of :class:`AsyncRunner`.
+
+Data flow, one arrow per edge::
+
+    learner --WeightBuffer (seqlocked: actor, critic, obs statistics, version)--> collector
+    collector --RolloutRing (slot: T x N frames, seq, policy version)--> learner
+    learner --TensorBoard scalars, history rows, checkpoints--> log_dir
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from ..errors import CollectorDiedError
+from .collector import CollectorSpec, RolloutCollector, describe_env, ring_fields, run_appo_collector
+from .config import APPOConfig
+from .learner import APPOLearner
+from .model import packed_size
+from .ring import RolloutRing, TakenSlot
+from .runner import _SPAWN, AsyncRunner
+from .weights import WeightBuffer
+
+__all__ = ["APPORunner"]
+
+logger = logging.getLogger(__name__)
+
+
+class APPORunner(AsyncRunner):
+    """Async PPO: a spawned collector steps ``num_envs`` environments while the learner updates.
+
+    Modes: asynchronous (default); ``sync=True`` (the collector waits for each update: lock-step, policy
+    lag 0); ``serial=True`` (collect then learn in this process; no subprocess, for debugging).
+
+    Owns the learner, the ring and the weight buffer; ``history`` holds one metrics row per update and
+    ``last_run_summary`` the outcome of the last :meth:`learn`.
+
+    Examples:
+        >>> cfg = APPOConfig(env_id="InvertedPendulum-v5", num_envs=8)   # doctest: +SKIP
+        >>> with APPORunner(cfg) as runner:                             # doctest: +SKIP
+        ...     summary = runner.learn(100, log_dir=None, target_return=900)
+    """
+
+    _collector_fn = staticmethod(run_appo_collector)
+
+    def __init__(
+        self, config: APPOConfig | None = None, *, device: str | None = None, resume: str | None = None
+    ) -> None:
+        self.config = config if config is not None else APPOConfig()
+        super().__init__(self.config.runner, device=device, collector_device="cpu")
+        self.obs_dim, self.act_dim = describe_env(self.config.env_id)
+        self.learner: APPOLearner = self._build_learner()
+        self.policy_version = 0
+        self.iterations_done = 0
+        self.trained_frames = 0
+        self._frames_before = 0  # env frames of earlier runs (resume)
+        self.ring: RolloutRing | None = None
+        self.weights: WeightBuffer | None = None
+        self._serial: RolloutCollector | None = None
+        self.history: list[dict[str, float]] = []
+        self.last_run_summary: dict | None = None
+        self._returns: deque[float] = deque(maxlen=self.config.stats_window)
+        self._lengths: deque[float] = deque(maxlen=self.config.stats_window)
+        self._best_return = float("-inf")
+        if resume is not None:
+            self.load_checkpoint(resume)
+
+    # ------------------------------------------------------------------ extension points
+    def _get_default_device(self) -> str:
+        # Small MLPs train faster on the CPU than through kernel launches; pass device="cuda" to override.
+        return "cpu"
+
+    def _build_learner(self) -> APPOLearner:
+        return APPOLearner(self.config, self.obs_dim, self.act_dim, self.device)
+
+    def _spec(self) -> CollectorSpec:
+        cfg = self.config
+        return CollectorSpec(
+            env_id=cfg.env_id, num_envs=cfg.num_envs, steps=cfg.steps_per_rollout, seed=cfg.seed,
+            obs_dim=self.obs_dim, act_dim=self.act_dim, hidden_sizes=tuple(cfg.hidden_sizes),
+            init_log_std=cfg.init_log_std, gamma=cfg.gamma, reward_scale=cfg.reward_scale,
+            normalize_obs=cfg.normalize_obs, sync=cfg.sync,
+        )  # fmt: skip
+
+    def _ensure_started(self, crash_dir: str | None) -> None:
+        if self.ring is not None:
+            return
+        cfg, spec = self.config, self._spec()
+        # Shared memory is allocated once, here in the owner, and registered for release by close().
+        self.ring = self._register_shared(RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN))
+        self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
+        self.weights.publish(self.learner.snapshot(), self.policy_version)
+        if cfg.serial:
+            self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
+        else:
+            self._start_collector(
+                {"spec": spec, "ring": self.ring, "weights": self.weights}, crash_dir=crash_dir
+            )
+
+    # ------------------------------------------------------------------ training loop
+    def learn(
+        self,
+        max_iterations: int,
+        save_interval: int = 50,
+        log_dir: str | None = "logs",
+        *,
+        max_env_frames: int | None = None,
+        target_return: float | None = None,
+        callback: Callable[[dict[str, float]], None] | None = None,
+    ) -> dict:
+        """Run up to ``max_iterations`` updates; stop early at ``max_env_frames`` or ``target_return``.
+
+        Args:
+            max_iterations: Updates to run (>= 1).
+            save_interval: Save ``model_<iteration>.pt`` into ``log_dir`` every this many updates.
+            log_dir: TensorBoard logs, checkpoints and the collector crash log; ``None`` writes nothing.
+            max_env_frames: Stop once the collector has stepped this many frames in total.
+            target_return: Stop once the mean return of the last ``stats_window`` episodes reaches it.
+            callback: Called with each history row (the CLI's progress bar).
+
+        Returns:
+            ``last_run_summary``.
+
+        Raises:
+            CollectorDiedError: the collector died, failed or hung (the summary is written first).
+        """
+        if not isinstance(max_iterations, int) or max_iterations < 1:
+            raise ValueError(f"APPORunner.learn max_iterations must be an int >= 1, got {max_iterations!r}")
+        if not isinstance(save_interval, int) or save_interval < 1:
+            raise ValueError(f"APPORunner.learn save_interval must be an int >= 1, got {save_interval!r}")
+        self._raise_if_closed()
+        threads = torch.get_num_threads()
+        if self.config.learner_num_threads:
+            torch.set_num_threads(self.config.learner_num_threads)
+        writer = _tensorboard(log_dir)
+        started, status, failure, checkpoint = time.monotonic(), "running", None, None
+        try:
+            self._ensure_started(log_dir)
+            for _ in range(max_iterations):
+                row = self._iterate(started)
+                if writer is not None:
+                    for key, value in row.items():
+                        writer.add_scalar(key, value, int(row["rl/env_frames"]))
+                if callback is not None:
+                    callback(row)
+                if log_dir is not None and self.iterations_done % save_interval == 0:
+                    checkpoint = self.save_checkpoint(
+                        os.path.join(log_dir, f"model_{self.iterations_done}.pt")
+                    )
+                if self._should_stop(row, max_env_frames, target_return):
+                    break
+            status = "completed"
+            if log_dir is not None:
+                checkpoint = self.save_checkpoint(os.path.join(log_dir, f"model_{self.iterations_done}.pt"))
+        except CollectorDiedError as error:
+            status, failure = "collector_died", error.report
+            raise
+        except BaseException as error:
+            status, failure = "failed", f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            torch.set_num_threads(threads)
+            if writer is not None:
+                writer.close()
+            self.last_run_summary = self._summary(status, time.monotonic() - started, checkpoint, failure)
+        return self.last_run_summary
+
+    def _iterate(self, started: float) -> dict[str, float]:
+        taken, batch, episodes = self._next_batch()
+        lags = [self.policy_version - t.version for t in taken]
+        metrics = self.learner.update(batch)
+        self.policy_version += 1
+        self.weights.publish(self.learner.snapshot(), self.policy_version)
+        self.iterations_done += 1
+        self.trained_frames += batch["rewards"].numel()
+        for ret, length in episodes:
+            self._returns.append(ret)
+            self._lengths.append(length)
+        ring = self.ring.stats()
+        wall = time.monotonic() - started
+        row = {
+            "rl/iteration": float(self.iterations_done),
+            "rl/wall_s": wall,
+            "rl/env_frames": float(self.env_frames),
+            "rl/trained_frames": float(self.trained_frames),
+            "rl/return": self.mean_return,
+            "rl/episode_length": sum(self._lengths) / len(self._lengths) if self._lengths else float("nan"),
+            "rl/episodes_in_window": float(len(self._returns)),
+            "rl/policy_lag": sum(lags) / len(lags),
+            "rl/policy_lag_max": float(max(lags)),
+            "rl/rollouts_per_update": float(len(taken)),
+            "ring/dropped_overflow": float(ring.dropped_overflow),
+            "ring/dropped_stale": float(ring.dropped_stale),
+            **metrics,
+        }
+        if row["rl/episodes_in_window"] >= self.config.stats_window:
+            self._best_return = max(self._best_return, row["rl/return"])
+        self.history.append(row)
+        return row
+
+    def _next_batch(self) -> tuple[list[TakenSlot], dict[str, torch.Tensor], list[tuple[float, float]]]:
+        cfg, ring = self.config, self.ring
+        if self._serial is not None:
+            self._serial.pull_weights(lambda: False, -1)
+            self._serial.collect(lambda: False)
+        max_count = 1 if (cfg.sync or cfg.serial) else cfg.num_slots
+        min_version = None if cfg.max_policy_lag is None else self.policy_version - cfg.max_policy_lag
+
+        def poll(slice_s: float) -> list[TakenSlot] | None:
+            taken = ring.take(max_count, min_version)
+            if taken:
+                return taken
+            ring.wait_filled(slice_s)
+            return None
+
+        taken = self._wait_until(poll, self.runner_config.data_timeout_s, "rollout")
+        try:
+            data = ring.gather(taken)
+        finally:
+            ring.free(taken)
+        batch = {key: _env_major(data[key]) for key in ("obs", "actions", "logp", "rewards", "dones")}
+        batch["last_obs"] = data["last_obs"].flatten(0, 1)
+        episodes = []
+        for i, count in enumerate(data["num_episodes"].tolist()):
+            episodes += zip(
+                data["episode_returns"][i, :count].tolist(), data["episode_lengths"][i, :count].tolist()
+            )
+        return taken, batch, episodes
+
+    def _should_stop(self, row: dict, max_env_frames: int | None, target_return: float | None) -> bool:
+        if max_env_frames is not None and row["rl/env_frames"] >= max_env_frames:
+            return True
+        return (
+            target_return is not None
+            and row["rl/episodes_in_window"] >= self.config.stats_window
+            and row["rl/return"] >= target_return
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def env_frames(self) -> int:
+        """Environment frames the collector has stepped (committed rollouts), including earlier runs."""
+        committed = 0 if self.ring is None else self.ring.stats().committed
+        return self._frames_before + committed * self.config.frames_per_rollout
+
+    @property
+    def mean_return(self) -> float:
+        """Mean return of the last ``stats_window`` completed episodes (NaN before the first)."""
+        return sum(self._returns) / len(self._returns) if self._returns else float("nan")
+
+    def save_checkpoint(self, path: str) -> str:
+        """Save model, target network, optimiser, normaliser, versions and config to ``path``."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        state = {
+            "learner": self.learner.state_dict(),
+            "policy_version": self.policy_version,
+            "iterations": self.iterations_done,
+            "env_frames": self.env_frames,
+            "trained_frames": self.trained_frames,
+            "config": asdict(self.config),
+            "dims": (self.obs_dim, self.act_dim),
+        }
+        torch.save(state, path)
+        return path
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` file, target network included; the collector gets the weights."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if tuple(state["dims"]) != (self.obs_dim, self.act_dim):
+            raise ValueError(
+                f"checkpoint {path} has (obs_dim, act_dim) = {tuple(state['dims'])}, "
+                f"{self.config.env_id} has {(self.obs_dim, self.act_dim)}"
+            )
+        self.learner.load_state_dict(state["learner"])
+        self.policy_version = int(state["policy_version"])
+        self.iterations_done = int(state["iterations"])
+        self.trained_frames = int(state["trained_frames"])
+        committed = 0 if self.ring is None else self.ring.stats().committed
+        self._frames_before = int(state["env_frames"]) - committed * self.config.frames_per_rollout
+        if self.weights is not None:
+            self.weights.publish(self.learner.snapshot(), self.policy_version)
+
+    def _summary(self, status: str, wall_s: float, checkpoint: str | None, failure: str | None) -> dict:
+        ring = self.ring.stats() if self.ring is not None else None
+        lags = [row["rl/policy_lag"] for row in self.history]
+        return {
+            "status": status,
+            "env_id": self.config.env_id,
+            "mode": "serial" if self.config.serial else "sync" if self.config.sync else "async",
+            "iterations": self.iterations_done,
+            "policy_version": self.policy_version,
+            "env_frames": self.env_frames,
+            "trained_frames": self.trained_frames,
+            "wall_time_s": round(wall_s, 3),
+            "env_frames_per_s": round(self.env_frames / wall_s, 1) if wall_s > 0 else None,
+            "final_return": None if not self._returns else self.mean_return,
+            "best_return": None if self._best_return == float("-inf") else self._best_return,
+            "mean_episode_length": (sum(self._lengths) / len(self._lengths)) if self._lengths else None,
+            "mean_policy_lag": (sum(lags) / len(lags)) if lags else None,
+            "dropped_overflow": ring.dropped_overflow if ring else 0,
+            "dropped_stale": ring.dropped_stale if ring else 0,
+            "last_checkpoint": checkpoint,
+            "failure": failure,
+        }
+
+
+def _env_major(stacked: torch.Tensor) -> torch.Tensor:
+    """``[slots, T, N, ...]`` -> ``[T, slots * N, ...]`` (rollouts side by side along the env axis)."""
+    return stacked.transpose(0, 1).flatten(1, 2)
+
+
+def _tensorboard(log_dir: str | None):
+    if log_dir is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir)

@@ -1,0 +1,217 @@
+"""The APPO collector: steps a vector of gymnasium environments with the latest policy into the ring.
+
+Runs in the spawned collector process (:func:`run_appo_collector`) or, in serial mode, inside the learner
+(:class:`RolloutCollector` used directly). Weights are applied only between rollouts, so every rollout
+comes from exactly one policy version, which it carries in the ring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+
+from .appo import check_finite
+from .model import ActorCritic, ObsNormalizer, unpack_policy
+from .ring import RolloutRing
+from .weights import WeightBuffer
+
+__all__ = ["CollectorSpec", "RolloutCollector", "describe_env", "ring_fields", "run_appo_collector"]
+
+
+@dataclass(frozen=True)
+class CollectorSpec:
+    """Everything the collector needs besides shared memory (plain data, pickled into the child)."""
+
+    env_id: str
+    num_envs: int
+    steps: int
+    seed: int
+    obs_dim: int
+    act_dim: int
+    hidden_sizes: tuple[int, ...]
+    init_log_std: float
+    gamma: float
+    reward_scale: float
+    normalize_obs: bool
+    sync: bool
+
+
+def describe_env(env_id: str) -> tuple[int, int]:
+    """``(obs_dim, act_dim)`` of a gymnasium task with flat ``Box`` spaces (builds and closes one env)."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        raise ValueError(f"APPOConfig.env_id must name a task with a flat Box observation, got {env_id!r}")
+    if not isinstance(act_space, gym.spaces.Box) or len(act_space.shape) != 1:
+        raise ValueError(f"APPOConfig.env_id must name a task with a flat Box action, got {env_id!r}")
+    return int(obs_space.shape[0]), int(act_space.shape[0])
+
+
+def ring_fields(spec: CollectorSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per-slot layout of one rollout, time-major ``[T, N, ...]``."""
+    t, n, f32 = spec.steps, spec.num_envs, torch.float32
+    return {
+        "obs": ((t, n, spec.obs_dim), f32),
+        "actions": ((t, n, spec.act_dim), f32),
+        "logp": ((t, n), f32),
+        "rewards": ((t, n), f32),
+        "dones": ((t, n), f32),
+        "last_obs": ((n, spec.obs_dim), f32),
+        "episode_returns": ((t * n,), f32),
+        "episode_lengths": ((t * n,), f32),
+        "num_episodes": ((), torch.int64),
+    }
+
+
+def _make_vector_env(env_id: str, num_envs: int):
+    import gymnasium as gym
+
+    return gym.vector.SyncVectorEnv(
+        [partial(gym.make, env_id) for _ in range(num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+
+
+class RolloutCollector:
+    """Owns the vector env, a CPU copy of the policy and the running episode statistics.
+
+    Invariant: ``self.version`` is the version of the weights every step of the current rollout used.
+    """
+
+    def __init__(
+        self,
+        spec: CollectorSpec,
+        ring: RolloutRing,
+        weights: WeightBuffer,
+        beat: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.spec, self.ring, self.weights, self.beat = spec, ring, weights, beat
+        self.envs = _make_vector_env(spec.env_id, spec.num_envs)
+        obs_shape, act_shape = self.envs.single_observation_space.shape, self.envs.single_action_space.shape
+        if obs_shape != (spec.obs_dim,) or act_shape != (spec.act_dim,):
+            raise ValueError(
+                f"{spec.env_id} built in the collector has spaces {obs_shape}/{act_shape}, "
+                f"the learner expected ({spec.obs_dim},)/({spec.act_dim},)"
+            )
+        self.low = torch.as_tensor(self.envs.single_action_space.low, dtype=torch.float32)
+        self.high = torch.as_tensor(self.envs.single_action_space.high, dtype=torch.float32)
+        self.model = ActorCritic(spec.obs_dim, spec.act_dim, spec.hidden_sizes, spec.init_log_std)
+        self.normalizer = ObsNormalizer(spec.obs_dim, spec.normalize_obs)
+        self.version = -1
+        self._vector = torch.empty(weights.size)
+        self._noise = torch.Generator().manual_seed(spec.seed + 7919)
+        obs, _ = self.envs.reset(seed=spec.seed)
+        self.obs = torch.as_tensor(obs, dtype=torch.float32)
+        self.ep_return = np.zeros(spec.num_envs)
+        self.ep_length = np.zeros(spec.num_envs)
+
+    def pull_weights(self, should_stop: Callable[[], bool], newer_than: int) -> bool:
+        """Apply the newest weights, first waiting until their version exceeds ``newer_than``.
+
+        Returns:
+            ``False`` if asked to stop while waiting.
+        """
+        while self.weights.version <= newer_than:
+            if should_stop():
+                return False
+            self.beat()
+            time.sleep(0.0005)
+        if self.weights.version != self.version:
+            self.version = self.weights.read_into(self._vector, on_retry=self.beat)
+            unpack_policy(self._vector, self.model, self.normalizer)
+        return True
+
+    def collect(self, should_stop: Callable[[], bool]) -> bool:
+        """Write one rollout into a ring slot and commit it; ``False`` if stopped first."""
+        slot = self.ring.acquire(should_stop=should_stop, on_wait=self.beat)
+        if slot is None:
+            return False
+        view = {name: tensor[slot] for name, tensor in self.ring.data.items()}
+        episodes = 0
+        for t in range(self.spec.steps):
+            if should_stop():
+                return False
+            self.beat()
+            episodes = self._step(view, t, episodes)
+        view["last_obs"].copy_(self.obs)
+        view["num_episodes"].fill_(episodes)
+        self.ring.commit(slot, self.version)
+        return True
+
+    def _step(self, view: dict[str, torch.Tensor], t: int, episodes: int) -> int:
+        obs = self.obs
+        with torch.inference_mode():
+            dist = self.model.distribution(self.normalizer.normalize(obs))
+            action = torch.normal(dist.mean, dist.stddev, generator=self._noise)
+            logp = dist.log_prob(action).sum(-1)
+        check_finite("actions", action)
+        next_obs, reward, terminated, truncated, info = self.envs.step(
+            torch.maximum(torch.minimum(action, self.high), self.low).numpy()
+        )
+        rewards = torch.as_tensor(reward, dtype=torch.float32)
+        check_finite("rewards", rewards)
+        learn_rewards = rewards * self.spec.reward_scale
+        # Timeout bootstrapping: a truncated episode did not end, so its last reward carries gamma * V(s_T).
+        cut = np.nonzero(truncated & ~terminated)[0]
+        if cut.size:
+            final = torch.as_tensor(np.stack(info["final_obs"][cut]), dtype=torch.float32)
+            check_finite("final_obs", final)
+            with torch.inference_mode():
+                learn_rewards[cut] += self.spec.gamma * self.model.value(self.normalizer.normalize(final))
+        done = terminated | truncated
+        view["obs"][t] = obs
+        view["actions"][t] = action
+        view["logp"][t] = logp
+        view["rewards"][t] = learn_rewards
+        view["dones"][t] = torch.as_tensor(done, dtype=torch.float32)
+        self.ep_return += reward
+        self.ep_length += 1
+        for i in np.nonzero(done)[0]:
+            view["episode_returns"][episodes] = float(self.ep_return[i])
+            view["episode_lengths"][episodes] = float(self.ep_length[i])
+            episodes += 1
+            self.ep_return[i] = 0.0
+            self.ep_length[i] = 0
+        self.obs = torch.as_tensor(next_obs, dtype=torch.float32)
+        check_finite("observations", self.obs)
+        return episodes
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Collect until ``should_stop()``; in sync mode wait for a newer policy before each rollout."""
+        newer_than = -1
+        while not should_stop():
+            if not self.pull_weights(should_stop, newer_than):
+                return
+            if not self.collect(should_stop):
+                return
+            if self.spec.sync:
+                newer_than = self.version
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def run_appo_collector(
+    stop_event,
+    heartbeat: Callable[[], None],
+    spec: CollectorSpec,
+    ring: RolloutRing,
+    weights: WeightBuffer,
+) -> None:
+    """Collector process body (``APPORunner._collector_fn``): build, then collect until stopped."""
+    torch.set_num_threads(1)
+    collector = RolloutCollector(spec, ring, weights, beat=heartbeat)
+    try:
+        collector.run(stop_event.is_set)
+    finally:
+        collector.close()

@@ -1,0 +1,201 @@
+"""Frozen, validated configuration of the async runner and of async PPO.
+
+Every field has an attribute docstring (tyro prints it as ``--help``). A bad value raises ``ValueError``
+at construction, naming the field and the accepted range, before any memory or process exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["APPOConfig", "RunnerConfig"]
+
+
+def _require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:
+    if not ok:
+        tail = f" {consequence}" if consequence else ""
+        raise ValueError(f"{owner}.{name} must be {accepted}, got {value!r}.{tail}")
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    _require(
+        isinstance(value, (int, float)) and math.isfinite(value) and value > 0, owner, name, "> 0", value
+    )
+
+
+def _int_at_least(owner: str, name: str, value: int, low: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= low,
+        owner,
+        name,
+        f"an int >= {low}",
+        value,
+    )
+
+
+def _in_unit(owner: str, name: str, value: float, *, open_low: bool = False) -> None:
+    low_ok = value > 0 if open_low else value >= 0
+    accepted = "in (0, 1]" if open_low else "in [0, 1]"
+    _require(isinstance(value, (int, float)) and low_ok and value <= 1, owner, name, accepted, value)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Supervision of the collector process (every bound the learner waits under)."""
+
+    hang_timeout_s: float = 30.0
+    """A collector that sends no heartbeat for this long is reported as hung and stopped."""
+    startup_timeout_s: float = 120.0
+    """Grace from spawning the collector until its first heartbeat (imports, building environments)."""
+    shutdown_timeout_s: float = 10.0
+    """close() waits this long for a graceful exit before terminate(), then kill()."""
+    poll_interval_s: float = 0.1
+    """Every wait is sliced into pieces this long, each followed by a liveness check."""
+    data_timeout_s: float = 300.0
+    """The longest the learner waits for one rollout from a live, beating collector."""
+
+    def __post_init__(self) -> None:
+        for name in ("hang_timeout_s", "startup_timeout_s", "data_timeout_s"):
+            _positive("RunnerConfig", name, getattr(self, name))
+        _require(
+            isinstance(self.shutdown_timeout_s, (int, float)) and self.shutdown_timeout_s >= 0,
+            "RunnerConfig",
+            "shutdown_timeout_s",
+            ">= 0",
+            self.shutdown_timeout_s,
+        )
+        _require(
+            isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 0.5,
+            "RunnerConfig",
+            "poll_interval_s",
+            "in (0, 0.5]",
+            self.poll_interval_s,
+            "Longer slices would let a collector death go unnoticed for more than a second.",
+        )
+
+
+@dataclass(frozen=True)
+class APPOConfig:
+    """Asynchronous PPO (IMPACT-style V-trace with a target network) on a gymnasium task."""
+
+    env_id: str = "Hopper-v5"
+    """Gymnasium environment id (``module:Name-v0`` imports ``module`` first)."""
+    num_envs: int = 16
+    """Environments stepped together (``SyncVectorEnv``) inside the collector."""
+    steps_per_rollout: int = 64
+    """Steps per environment in one rollout; a rollout holds ``num_envs * steps_per_rollout`` frames."""
+    num_slots: int = 4
+    """Rollouts the shared-memory ring holds."""
+    overflow: Literal["block", "drop_oldest"] = "block"
+    """Full ring: ``block`` makes the collector wait (back-pressure); ``drop_oldest`` overwrites (counted)."""
+    max_policy_lag: int | None = 8
+    """Rollouts whose policy is more than this many versions behind the learner are dropped (counted)."""
+    sync: bool = False
+    """The collector waits for each update before the next rollout (lock-step, for A/B comparison)."""
+    serial: bool = False
+    """Collect and learn in one process, one after the other (debugging; no subprocess)."""
+    seed: int = 0
+    """Seeds the networks, the environments and the action noise."""
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """Hidden layer widths of the actor and of the critic (separate networks)."""
+    init_log_std: float = -0.5
+    """Initial log standard deviation of the Gaussian policy."""
+    learning_rate: float = 3e-4
+    """Adam step size (the start value when ``desired_kl`` adapts it)."""
+    desired_kl: float | None = 0.01
+    """Adapt the step size to keep KL(target || current) near this; ``None`` keeps it constant."""
+    num_epochs: int = 5
+    """Passes over each batch."""
+    minibatch_size: int = 512
+    """Frames per gradient step."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """Trace decay: V-trace ``c_t = lambda * min(c_bar, rho_t)`` (GAE(lambda) when on-policy)."""
+    clip_ratio: float = 0.2
+    """PPO clipping range of the policy ratio."""
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    max_grad_norm: float = 1.0
+    """Global gradient norm clip."""
+    rho_bar: float = 1.0
+    """V-trace truncation of the importance weight in the value targets."""
+    c_bar: float = 1.0
+    """V-trace truncation of the trace coefficients."""
+    target_update_interval: int = 1
+    """Copy the learner's policy into the target network every this many updates."""
+    normalize_obs: bool = True
+    """Normalise observations with running statistics (shared with the collector through the weights)."""
+    reward_scale: float = 0.1
+    """Rewards are multiplied by this before learning (returns in episode metrics stay unscaled)."""
+    learner_num_threads: int = 1
+    """torch threads of the learner during ``learn()`` (0 keeps torch's setting); the collector uses 1."""
+    stats_window: int = 20
+    """Completed episodes averaged into the reported return."""
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Collector supervision."""
+
+    def __post_init__(self) -> None:
+        owner = "APPOConfig"
+        _require(isinstance(self.env_id, str) and bool(self.env_id), owner, "env_id", "a gym id", self.env_id)
+        for name, low in (
+            ("num_envs", 1),
+            ("steps_per_rollout", 1),
+            ("num_slots", 2),
+            ("num_epochs", 1),
+            ("minibatch_size", 1),
+            ("target_update_interval", 1),
+            ("learner_num_threads", 0),
+            ("stats_window", 1),
+            ("seed", 0),
+        ):
+            _int_at_least(owner, name, getattr(self, name), low)
+        _require(
+            self.overflow in ("block", "drop_oldest"),
+            owner,
+            "overflow",
+            "'block' or 'drop_oldest'",
+            self.overflow,
+        )
+        if self.max_policy_lag is not None:
+            _int_at_least(owner, "max_policy_lag", self.max_policy_lag, 0)
+        _require(
+            len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and h >= 1 for h in self.hidden_sizes),
+            owner,
+            "hidden_sizes",
+            "a non-empty tuple of ints >= 1",
+            self.hidden_sizes,
+        )
+        for name in ("learning_rate", "clip_ratio", "max_grad_norm", "rho_bar", "c_bar", "reward_scale"):
+            _positive(owner, name, getattr(self, name))
+        if self.desired_kl is not None:
+            _positive(owner, "desired_kl", self.desired_kl)
+        _in_unit(owner, "gamma", self.gamma)
+        _in_unit(owner, "gae_lambda", self.gae_lambda)
+        for name in ("value_coef", "entropy_coef"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and value >= 0, owner, name, ">= 0", value)
+        _require(
+            isinstance(self.init_log_std, (int, float)) and -5 <= self.init_log_std <= 2,
+            owner,
+            "init_log_std",
+            "in [-5, 2]",
+            self.init_log_std,
+        )
+        _require(
+            self.minibatch_size <= self.frames_per_rollout,
+            owner,
+            "minibatch_size",
+            f"<= num_envs * steps_per_rollout = {self.frames_per_rollout}",
+            self.minibatch_size,
+        )
+        _require(isinstance(self.runner, RunnerConfig), owner, "runner", "a RunnerConfig", self.runner)
+
+    @property
+    def frames_per_rollout(self) -> int:
+        """Environment frames in one rollout."""
+        return self.num_envs * self.steps_per_rollout

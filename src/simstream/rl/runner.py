@@ -1,0 +1,368 @@
+"""``AsyncRunner``: the base of learners that train while a spawned collector process gathers data.
+
+The runner owns one collector process and everything it shares with it. It reuses the package's worker
+supervision (:mod:`simstream.workers.supervisor`) and error channel (:mod:`simstream.workers.channel`):
+
+* the collector starts through ``worker_entry`` (spawn context), so an exception raised anywhere in it,
+  from importing the collector module on, is published as plain data (type name, message, traceback
+  capped head + tail) and never has to be unpickled by class;
+* the supervisor's monitor thread publishes a silent death (signal, ``os._exit``) within ~0.1 s and a
+  hang once the heartbeat is older than ``RunnerConfig.hang_timeout_s``;
+* :meth:`AsyncRunner.check_collector` turns whatever was published into a raised
+  :class:`~simstream.errors.CollectorDiedError` carrying :func:`format_collector_death`'s report, and every
+  wait of the learner (:meth:`AsyncRunner._wait_until`) calls it between slices of
+  ``RunnerConfig.poll_interval_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_sentinels
+from typing import Any, TypeVar
+
+from ..errors import CollectorDiedError
+from ..workers.channel import ErrorChannel, describe_exit
+from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor
+from .config import RunnerConfig
+from .diagnosis import CollectorHangError, format_collector_death, format_collector_hang
+
+__all__ = ["AsyncRunner", "CloseReport"]
+
+logger = logging.getLogger(__name__)
+
+_SPAWN = mp.get_context("spawn")
+_ENTRY = "simstream.rl._entry:collector_entry"
+_LABEL = "collector"
+_CRASH_LOG = "collector_crash.log"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """What :meth:`AsyncRunner.close` did."""
+
+    exitcode: int | None
+    """The collector's exit code (``None``: never started, or still alive)."""
+    forced: bool
+    """``terminate()`` or ``kill()`` was needed: the collector did not stop on its own."""
+    still_alive: bool
+    """The collector survived even ``kill()`` (should never happen)."""
+    released: int
+    """Shared resources released."""
+    failure: str | None
+    """The death report, when the collector had failed (raised or not)."""
+
+    @property
+    def clean(self) -> bool:
+        """The collector stopped on request with exit code 0 (or never ran) and nothing failed."""
+        return (
+            not self.forced and not self.still_alive and self.failure is None and self.exitcode in (None, 0)
+        )
+
+
+class AsyncRunner(ABC):
+    """Owns one collector process, its supervision, and the shared resources registered with it.
+
+    Subclasses implement the four extension points; :meth:`_start_collector` spawns
+    ``type(self)._collector_fn`` (a ``staticmethod``, imported by name in the child), and the learner
+    waits only through :meth:`_wait_until`. ``close()`` is idempotent; the runner is a context manager.
+
+    Examples:
+        >>> class MyRunner(AsyncRunner):                       # doctest: +SKIP
+        ...     def _get_default_device(self): return "cpu"
+        ...     def _build_learner(self): return MyLearner()
+        ...     @staticmethod
+        ...     def _collector_fn(stop_event, heartbeat, queue_like): ...
+        ...     def learn(self, max_iterations, save_interval=50, log_dir="logs"): ...
+    """
+
+    def __init__(
+        self,
+        runner_config: RunnerConfig | None = None,
+        *,
+        device: str | None = None,
+        collector_device: str | None = None,
+    ) -> None:
+        self.runner_config = runner_config if runner_config is not None else RunnerConfig()
+        self.device = device or self._get_default_device()
+        self.collector_device = collector_device or self.device
+        self._stop_event = _SPAWN.Event()
+        self._shared_resources: list[Any] = []
+        self._channel: ErrorChannel | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._supervisor: WorkerSupervisor | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._crash_path: str | None = None
+        self._owned_crash_dir: str | None = None
+        self._failure: CollectorDiedError | None = None
+        self.last_close_report: CloseReport | None = None
+
+    # ------------------------------------------------------------------ extension points
+    @abstractmethod
+    def _get_default_device(self) -> str:
+        """The learner's device when none is given."""
+
+    @abstractmethod
+    def _build_learner(self) -> Any:
+        """Build the learner (networks, optimiser) in the learner process."""
+
+    @staticmethod
+    @abstractmethod
+    def _collector_fn(stop_event, **kwargs) -> None:
+        """Collector process body; returns once ``stop_event`` is set. Gets ``heartbeat`` (call it often)."""
+
+    @abstractmethod
+    def learn(self, max_iterations: int, save_interval: int = 50, log_dir: str | None = "logs") -> Any:
+        """Train for ``max_iterations`` updates."""
+
+    def _collector_target(self) -> str:
+        """``"module:Class._collector_fn"`` of the class defining the collector (imported in the child)."""
+        owner = next(c for c in type(self).__mro__ if "_collector_fn" in c.__dict__)
+        return f"{owner.__module__}:{owner.__qualname__}._collector_fn"
+
+    # ------------------------------------------------------------------ collector lifecycle
+    def _start_collector(self, kwargs: dict, *, crash_dir: str | None = None) -> None:
+        """Spawn the collector with ``kwargs`` (shared objects travel as process arguments).
+
+        Args:
+            kwargs: Keyword arguments of ``_collector_fn`` besides ``stop_event`` and ``heartbeat``.
+            crash_dir: Where ``collector_crash.log`` (faulthandler output, full tracebacks) is kept;
+                ``None`` uses a temporary directory removed by :meth:`close`.
+        """
+        self._raise_if_closed()
+        if self._supervisor is not None:
+            raise RuntimeError(f"{type(self).__name__}: the collector was already started")
+        cfg = self.runner_config
+        if crash_dir is None:
+            crash_dir = self._owned_crash_dir = tempfile.mkdtemp(prefix="simstream-rl-")
+        os.makedirs(crash_dir, exist_ok=True)
+        self._crash_path = os.path.join(crash_dir, _CRASH_LOG)
+        self._channel = ErrorChannel(_SPAWN)
+        self._heartbeat = Heartbeat(1, _SPAWN)
+        self._heartbeat.hold(0, cfg.startup_timeout_s)
+        self._supervisor = WorkerSupervisor(
+            _SPAWN,
+            self._channel,
+            is_closing=self._stop_event.is_set,
+            died_message=lambda label, code: f"{label} exited unexpectedly ({describe_exit(code)})",
+            heartbeat=self._heartbeat,
+            hang_timeout_s=cfg.hang_timeout_s,
+        )
+        args = (
+            self._collector_target(),
+            self._stop_event,
+            self._heartbeat,
+            cfg.startup_timeout_s,
+            self._crash_path,
+            kwargs,
+        )
+        try:
+            self._supervisor.start([WorkerSpec(label=_LABEL, target=_ENTRY, args=args)])
+        except BaseException:
+            # Nothing was started (spawn failed before the child existed): leave no half-built state.
+            self._supervisor.stop_monitor()
+            self._supervisor = None
+            raise
+        self._finalizer = weakref.finalize(self, _emergency_stop, self._stop_event, self._supervisor)
+
+    def _raise_if_closed(self) -> None:
+        if self.last_close_report is not None:
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new runner to train again")
+
+    def _register_shared(self, resource: T) -> T:
+        """Have :meth:`close` release ``resource`` (``release``, ``cleanup`` or ``close``), newest first."""
+        self._shared_resources.append(resource)
+        return resource
+
+    @property
+    def collector_pid(self) -> int | None:
+        process = self._process()
+        return None if process is None else process.pid
+
+    def _process(self) -> mp.process.BaseProcess | None:
+        if self._supervisor is None:
+            return None
+        return self._supervisor.processes.get(_LABEL)
+
+    def check_collector(self) -> None:
+        """Raise :class:`CollectorDiedError` if the collector failed, died or hung; else return at once.
+
+        The same error object is raised on every later call.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if self._supervisor is None or self._stop_event.is_set():
+            return
+        if not self._channel.is_set() and not self._supervisor.dead_workers():
+            return
+        self._failure = self._diagnose()
+        raise self._failure
+
+    def _wait_until(self, poll: Callable[[float], T | None], timeout_s: float, what: str) -> T:
+        """Return ``poll(slice_s)``'s first non-``None`` result; check the collector between slices.
+
+        Raises:
+            CollectorDiedError: the collector failed while waiting (within one poll interval).
+            TimeoutError: nothing within ``timeout_s`` although the collector stayed alive.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_collector()
+            remaining = deadline - time.monotonic()
+            result = poll(max(0.0, min(self.runner_config.poll_interval_s, remaining)))
+            if result is not None:
+                return result
+            if time.monotonic() >= deadline:
+                self.check_collector()
+                raise TimeoutError(
+                    f"{type(self).__name__}: no {what} within {timeout_s:g} s, although the collector "
+                    f"(pid {self.collector_pid}) is alive and sending heartbeats; it keeps running"
+                )
+
+    def _diagnose(self) -> CollectorDiedError:
+        record = self._channel.read()
+        # Records published by this process come from the supervisor's monitor thread: a silent death
+        # or a hang. Only a record published by the collector itself carries a Python traceback.
+        from_monitor = record is not None and record.pid == os.getpid()
+        if from_monitor and record.type_qualname == "TimeoutError" and record.exitcode is None:
+            stack = self._dump_stacks()
+            age = self._heartbeat.age_s(0)
+            return CollectorHangError(
+                format_collector_hang(age, self.runner_config.hang_timeout_s, stack), None, stack or None
+            )
+        exitcode = self._wait_for_exitcode(0.25)
+        if exitcode is None and record is not None:
+            exitcode = record.exitcode
+        traceback_text = None
+        if record is not None and not from_monitor and record.traceback_text:
+            traceback_text = record.traceback_text
+        report = format_collector_death(exitcode, traceback_text)
+        if traceback_text is None:
+            native = self._read_crash_log()
+            if native:
+                report += f"\nOutput in the collector's crash log (faulthandler):\n{native}"
+        if self._crash_path and os.path.exists(self._crash_path) and not self._owned_crash_dir:
+            report += f"\nCrash log: {self._crash_path}"
+        error = CollectorDiedError(report, exitcode, traceback_text)
+        if traceback_text is not None:
+            error.__cause__ = self._channel.error()
+        return error
+
+    def _wait_for_exitcode(self, timeout_s: float) -> int | None:
+        # A collector that published an exception exits right after; its code makes the report complete.
+        process = self._process()
+        if process is None or not wait_for_sentinels([process.sentinel], timeout=timeout_s):
+            return None
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # the monitor thread may hold the status lock for a moment
+            for label, code in self._supervisor.dead_workers():
+                if label == _LABEL:
+                    return code
+            time.sleep(0.005)
+        return None
+
+    def _dump_stacks(self) -> str:
+        process, path = self._process(), self._crash_path
+        if process is None or path is None or not hasattr(signal, "SIGUSR1"):
+            return ""
+        before = os.path.getsize(path) if os.path.exists(path) else 0
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+        except OSError:
+            return ""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and os.path.getsize(path) == before:
+            time.sleep(0.02)
+        time.sleep(0.05)  # let faulthandler finish the dump
+        return self._read_crash_log(start=before)
+
+    def _read_crash_log(self, start: int = 0, limit: int = 16 * 1024) -> str:
+        if not self._crash_path or not os.path.exists(self._crash_path):
+            return ""
+        with open(self._crash_path, errors="replace") as log:
+            log.seek(start)
+            text = log.read()
+        return text[-limit:].strip()
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> CloseReport:
+        """Stop and reap the collector, release shared memory; idempotent, bounded, never raises.
+
+        Order: set the stop event -> join (``shutdown_timeout_s``; none for a hung collector) ->
+        ``terminate()`` -> ``kill()`` -> release shared resources, newest first.
+
+        Returns:
+            The :class:`CloseReport` (also kept as ``last_close_report``).
+        """
+        if self.last_close_report is not None:
+            return self.last_close_report
+        self._stop_event.set()
+        exitcode, forced, still_alive, failure = None, False, False, None
+        if self._supervisor is not None:
+            # A hung collector will not react to the stop event; anything else gets the full grace
+            # (one that published an exception is still tearing its interpreter down).
+            hung = isinstance(self._failure, CollectorHangError)
+            grace = 0.0 if hung else self.runner_config.shutdown_timeout_s
+            shutdown = self._supervisor.shutdown(grace)
+            exitcode = shutdown.exitcodes.get(_LABEL)
+            forced, still_alive = shutdown.forced, bool(shutdown.still_alive)
+            if self._failure is not None:
+                failure = self._failure.report
+            elif self._channel.is_set():
+                record = self._channel.read()
+                from_collector = record is not None and record.pid != os.getpid()
+                failure = format_collector_death(exitcode, record.traceback_text if from_collector else None)
+            elif exitcode not in (0, None) and not forced:
+                failure = format_collector_death(exitcode, None)
+            if failure is not None and self._failure is None:
+                logger.error("collector failed before close():\n%s", failure)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        released = self._release_resources()
+        if self._owned_crash_dir is not None:
+            shutil.rmtree(self._owned_crash_dir, ignore_errors=True)
+        elif self._crash_path and os.path.exists(self._crash_path) and os.path.getsize(self._crash_path) == 0:
+            os.remove(self._crash_path)
+        self.last_close_report = CloseReport(exitcode, forced, still_alive, released, failure)
+        return self.last_close_report
+
+    def _release_resources(self) -> int:
+        released = 0
+        while self._shared_resources:
+            resource = self._shared_resources.pop()
+            for name in ("release", "cleanup", "close"):
+                method = getattr(resource, name, None)
+                if callable(method):
+                    try:
+                        method()
+                        released += 1
+                    except Exception:
+                        logger.exception("releasing %r failed", resource)
+                    break
+        return released
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        self.close()
+        return False
+
+
+def _emergency_stop(stop_event, supervisor: WorkerSupervisor) -> None:
+    """Runs if a started runner is garbage-collected or the interpreter exits without ``close()``."""
+    try:
+        stop_event.set()
+        supervisor.shutdown(2.0)
+    except Exception:  # at interpreter exit nothing can be reported any more
+        pass

@@ -1,0 +1,72 @@
+"""A minimal ``AsyncRunner`` subclass and its collector, importable by spawned children.
+
+The collector bumps a shared counter and beats; the learner waits (through ``_wait_until``) for the
+counter to pass each iteration. ``mode`` selects a fault.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from simstream.rl import AsyncRunner, RunnerConfig
+
+
+class Releasable:
+    """Stands in for a shared resource; records that ``close()`` released it."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+class ToyRunner(AsyncRunner):
+    """Learner waits for a shared counter the collector increments."""
+
+    def __init__(self, mode: str = "ok", target: str | None = None, config: RunnerConfig | None = None):
+        super().__init__(config or RunnerConfig(shutdown_timeout_s=5.0))
+        self.mode = mode
+        self.target = target
+        self.counter = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.resource = self._register_shared(Releasable())
+        self.seen_kwargs: tuple[str, ...] = ()
+
+    def _get_default_device(self) -> str:
+        return "cpu"
+
+    def _build_learner(self):
+        return None
+
+    def _collector_target(self) -> str:
+        return self.target or super()._collector_target()
+
+    @staticmethod
+    def _collector_fn(stop_event, heartbeat, counter, mode) -> None:
+        torch.set_num_threads(1)
+        while not stop_event.is_set():
+            heartbeat()
+            counter += 1
+            if mode == "return_early" and int(counter) >= 5:
+                return
+            time.sleep(0.01)
+
+    def learn(self, max_iterations: int, save_interval: int = 50, log_dir: str | None = None) -> int:
+        if self._process() is None:
+            self._start_collector({"counter": self.counter, "mode": self.mode})
+        for i in range(max_iterations):
+            self._wait_until(lambda s, i=i: True if int(self.counter) > i else time.sleep(s), 30.0, "count")
+        return int(self.counter)
+
+
+def hammer_ring(ring, rollouts: int) -> None:
+    """Writer for the torn-read test: fills each slot element by element with its rollout number."""
+    torch.set_num_threads(1)
+    for number in range(rollouts):
+        slot = ring.acquire(should_stop=lambda: False)
+        row = ring.data["x"][slot]
+        for i in range(row.numel()):
+            row[i] = float(number)
+        ring.commit(slot, number)

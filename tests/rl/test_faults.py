@@ -1,0 +1,169 @@
+"""Fault injection through a real spawned collector: every failure is raised, diagnosed, and cleaned up.
+
+Each case asserts the exception type, the report text, the time from the fault (stamped by the collector
+with the system-wide monotonic clock) to the raise, and that close() left no process behind (the autouse
+``no_leaks`` fixture also checks /dev/shm and threads).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, CollectorHangError, RunnerConfig
+from tests.rl.collectors import ToyRunner
+from tests.rl.fault_env import HUGE_HEAD, HUGE_TAIL, env_id
+
+pytestmark = pytest.mark.timeout(90)
+
+DETECTION_BOUND_S = 1.0
+
+
+def _config(fault: str, **runner) -> APPOConfig:
+    return APPOConfig(
+        env_id=env_id(fault),
+        num_envs=2,
+        steps_per_rollout=16,
+        minibatch_size=32,
+        num_epochs=1,
+        hidden_sizes=(16,),
+        stats_window=2,
+        runner=RunnerConfig(**{"shutdown_timeout_s": 5.0, **runner}),
+    )
+
+
+@pytest.fixture
+def stamp(tmp_path, monkeypatch):
+    path = tmp_path / "fault_stamp"
+    monkeypatch.setenv("SIMSTREAM_RL_FAULT_STAMP", str(path))
+    return path
+
+
+def _learn_until_death(runner, stamp) -> tuple[CollectorDiedError, float]:
+    with runner:
+        try:
+            runner.learn(10_000, log_dir=None)
+        except CollectorDiedError as error:
+            raised_at = time.monotonic()
+            caught = error
+        else:  # pragma: no cover - the fault must fire
+            pytest.fail("learn() returned although the collector failed")
+    assert stamp.exists(), "the injected fault did not run"
+    return caught, raised_at - float(stamp.read_text())
+
+
+def _assert_cleaned_up(runner) -> None:
+    report = runner.last_close_report
+    assert report is not None and not report.still_alive
+    assert report.failure is not None
+    assert mp.active_children() == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "exitcode", "fragments"),
+    [
+        pytest.param(
+            "create", None,
+            ["crashed with a Python exception", "RuntimeError: FaultEnv could not be created (injected)",
+             "fault_env.py"],
+            id="env-creation",
+        ),
+        pytest.param(
+            "raise", None,
+            ["crashed with a Python exception", "ValueError: injected failure in the middle of a rollout",
+             "in step"],
+            id="mid-rollout",
+        ),
+        pytest.param(
+            "unpicklable", None,
+            ["crashed with a Python exception", "UnpicklableFaultError: an exception that cannot travel"],
+            id="unpicklable",
+        ),
+        pytest.param(
+            "nan", None, ["NonFiniteError: non-finite values in 'rewards'"], id="nan-guard",
+        ),
+        pytest.param(
+            "sigkill", -9, ["killed by signal 9 (SIGKILL)", "out-of-memory killer", "dmesg"], id="sigkill",
+        ),
+        pytest.param(
+            "segfault", -11,
+            ["killed by signal 11 (SIGSEGV)", "segmentation fault", "faulthandler",
+             "Fatal Python error: Segmentation fault", "_maybe_fault"],
+            id="segfault",
+        ),
+        pytest.param(
+            "abort", -6, ["killed by signal 6 (SIGABRT)", "abort()", "Fatal Python error: Aborted"],
+            id="abort",
+        ),
+        pytest.param(
+            "exit135", 135,
+            ["exited with code 135", "shell-style status of signal 7 (SIGBUS)", "/dev/shm"],
+            id="exit-135",
+        ),
+    ],
+)  # fmt: skip
+def test_collector_failure_is_raised_with_a_diagnosis(fault, exitcode, fragments, stamp):
+    runner = APPORunner(_config(fault))
+    error, latency = _learn_until_death(runner, stamp)
+    assert type(error) is CollectorDiedError
+    for fragment in fragments:
+        assert fragment in error.report, f"{fragment!r} missing from:\n{error.report}"
+    assert str(error) == error.report
+    if exitcode is not None:
+        assert error.exitcode == exitcode
+        assert error.traceback_text is None
+    else:
+        assert error.traceback_text and "Traceback (most recent call last)" in error.traceback_text
+    assert latency < DETECTION_BOUND_S, f"detected {latency:.2f} s after the fault"
+    assert runner.last_run_summary["status"] == "collector_died"
+    assert runner.last_run_summary["failure"] == error.report
+    _assert_cleaned_up(runner)
+    assert runner.last_close_report.released >= 2  # ring and weight buffer
+
+
+def test_traceback_over_64_kib_arrives_capped_head_and_tail(stamp):
+    runner = APPORunner(_config("huge"))
+    error, latency = _learn_until_death(runner, stamp)
+    report = error.report
+    assert "Traceback (most recent call last)" in report
+    assert HUGE_TAIL in report  # the end of a traceback holds the cause: kept
+    assert "characters cut" in report
+    assert HUGE_HEAD not in report or len(report) < 64 * 1024
+    assert len(report) < 64 * 1024
+    assert latency < DETECTION_BOUND_S  # no pipe to block on, unlike the reference (defect 7)
+    _assert_cleaned_up(runner)
+
+
+def test_hang_is_raised_after_the_heartbeat_timeout_with_the_stack(stamp):
+    hang_timeout_s = 1.5
+    runner = APPORunner(_config("hang", hang_timeout_s=hang_timeout_s))
+    error, latency = _learn_until_death(runner, stamp)
+    assert isinstance(error, CollectorHangError)
+    assert isinstance(error, CollectorDiedError) and isinstance(error, TimeoutError)
+    assert "hung: no heartbeat" in error.report
+    assert "time.sleep" in error.report or "_maybe_fault" in error.report  # faulthandler stack of the child
+    assert hang_timeout_s <= latency < hang_timeout_s + 2.0
+    report = runner.last_close_report
+    assert report.forced and not report.still_alive  # a hung collector must be terminated
+    assert mp.active_children() == []
+
+
+def test_exception_while_importing_the_collector_module(stamp):
+    runner = ToyRunner(target="tests.rl.broken_import:collect")
+    error, latency = _learn_until_death(runner, stamp)
+    assert type(error) is CollectorDiedError
+    assert "ImportError: tests.rl.broken_import fails at import time (injected)" in error.report
+    assert "resolve_target" in error.report  # raised inside the guarded entry, not before it
+    assert latency < DETECTION_BOUND_S
+    _assert_cleaned_up(runner)
+    assert runner.resource.released == 1
+
+
+def test_collector_returning_without_being_asked_is_a_death():
+    runner = ToyRunner(mode="return_early")
+    with runner, pytest.raises(CollectorDiedError, match="exited with code 0") as info:
+        runner.learn(10_000)
+    assert info.value.exitcode == 0
+    assert mp.active_children() == []

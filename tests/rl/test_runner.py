@@ -1,0 +1,189 @@
+"""The runner through real spawned collectors: lifecycle, modes, ring policies, checkpoints, CLI, learning."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from simstream.rl import APPOConfig, APPORunner, RunnerConfig
+from tests.rl.collectors import ToyRunner
+from tests.rl.fault_env import env_id
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tiny(**overrides) -> APPOConfig:
+    base = dict(
+        env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16, num_epochs=2,
+        hidden_sizes=(16,), stats_window=2, runner=RunnerConfig(shutdown_timeout_s=10.0),
+    )  # fmt: skip
+    return APPOConfig(**{**base, **overrides})
+
+
+def test_toy_runner_lifecycle_context_manager_and_idempotent_close():
+    with ToyRunner() as runner:
+        assert runner.learn(20) >= 20
+        pid = runner.collector_pid
+        assert pid is not None and runner._process().is_alive()
+    first = runner.last_close_report
+    assert first.clean and first.exitcode == 0 and first.released == 1
+    assert runner.resource.released == 1
+    assert runner.close() is first  # idempotent: the same report, nothing released twice
+    assert runner.resource.released == 1
+    assert mp.active_children() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.learn(1)
+
+
+def test_close_before_start_is_clean():
+    runner = ToyRunner()
+    report = runner.close()
+    assert report.clean and report.exitcode is None and report.released == 1
+
+
+@pytest.mark.parametrize("overflow", ["block", "drop_oldest"])
+def test_ring_reader_never_sees_a_torn_rollout_across_processes(overflow):
+    from simstream.rl import RolloutRing
+    from tests.rl.collectors import hammer_ring
+
+    ctx = mp.get_context("spawn")
+    ring = RolloutRing({"x": ((32,), torch.float32)}, 2, overflow, ctx)
+    writer = ctx.Process(target=hammer_ring, args=(ring, 200), daemon=True)
+    writer.start()
+    seen, last_seq = 0, -1
+    try:
+        while writer.is_alive() or ring.states().count(2):
+            taken = ring.take(2)
+            if not taken:
+                ring.wait_filled(0.05)
+                continue
+            data = ring.gather(taken)["x"]
+            ring.free(taken)
+            for row, t in zip(data, taken):
+                assert torch.all(row == t.version), "torn read"  # every element from the same rollout
+                assert t.seq > last_seq
+                last_seq = t.seq
+                seen += 1
+    finally:
+        writer.join(30)
+    assert writer.exitcode == 0
+    stats = ring.stats()
+    assert seen == stats.consumed and stats.committed == 200
+    assert seen + stats.dropped_overflow == 200
+    if overflow == "block":
+        assert stats.dropped_overflow == 0
+
+
+def test_sync_mode_matches_serial_mode_exactly():
+    """Lock-step with a subprocess is the same computation as collecting in-process (A/B equivalence)."""
+    rows = {}
+    for mode in ("sync", "serial"):
+        with APPORunner(_tiny(**{mode: True})) as runner:
+            runner.learn(4, log_dir=None)
+            rows[mode] = [
+                {k: None if v != v else v for k, v in r.items() if k not in ("rl/wall_s", "rl/env_frames")}
+                for r in runner.history
+            ]
+            assert all(r["rl/policy_lag"] == 0 for r in runner.history)
+    assert rows["sync"] == rows["serial"]
+
+
+def test_async_policy_lag_cap_drops_stale_rollouts_and_counts_them():
+    with APPORunner(_tiny(max_policy_lag=0, num_slots=3)) as runner:
+        summary = runner.learn(12, log_dir=None)
+    assert summary["status"] == "completed" and summary["iterations"] == 12
+    assert summary["dropped_stale"] > 0
+    assert all(r["rl/policy_lag"] == 0 for r in runner.history)
+
+
+def test_async_drop_oldest_keeps_the_collector_running():
+    with APPORunner(_tiny(overflow="drop_oldest", num_slots=2, max_policy_lag=None, num_epochs=20)) as runner:
+        summary = runner.learn(8, log_dir=None)
+    assert summary["status"] == "completed"
+    assert summary["dropped_overflow"] > 0  # the slow learner (20 epochs) falls behind the collector
+    assert runner.env_frames >= summary["trained_frames"]
+
+
+def test_checkpoint_and_resume_restore_every_part(tmp_path):
+    with APPORunner(_tiny(serial=True)) as runner:
+        runner.learn(3, save_interval=3, log_dir=str(tmp_path))
+        path = runner.last_run_summary["last_checkpoint"]
+        state = runner.learner.state_dict()
+    assert os.path.basename(path) == "model_3.pt"
+    with APPORunner(_tiny(serial=True), resume=path) as resumed:
+        assert resumed.policy_version == 3 and resumed.iterations_done == 3
+        assert resumed.learner.updates == 3
+        for key in ("model", "target"):
+            for name, tensor in state[key].items():
+                assert torch.equal(resumed.learner.state_dict()[key][name], tensor), (key, name)
+        assert torch.equal(resumed.learner.normalizer.mean, state["normalizer"]["mean"])
+        assert resumed.learner.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
+        resumed.learn(1, log_dir=None)
+        assert resumed.policy_version == 4
+        assert resumed.env_frames > resumed.config.frames_per_rollout  # frames of the first run count too
+
+
+def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
+    with APPORunner(_tiny(serial=True)) as runner:
+        runner.learn(1, log_dir=str(tmp_path))
+        path = runner.last_run_summary["last_checkpoint"]
+    with pytest.raises(ValueError, match="obs_dim, act_dim"):
+        APPORunner(APPOConfig(env_id="InvertedPendulum-v5", serial=True), resume=path)
+
+
+def test_learn_validates_its_arguments():
+    runner = APPORunner(_tiny(serial=True))
+    with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
+        runner.learn(0)
+    runner.close()
+
+
+def test_cli_writes_the_report(tmp_path, capsys):
+    from simstream.cli.main import main
+
+    code = main([
+        "rl", "--env", env_id("none"), "--num-envs", "2", "--steps-per-rollout", "16",
+        "--minibatch-size", "16", "--iterations", "3",
+        "--runs-dir", str(tmp_path), "--name", "tiny", "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    run_dir = tmp_path / "tiny"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == 3
+    assert (run_dir / "learning_curve.png").stat().st_size > 0
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
+    assert (run_dir / "model_3.pt").exists()
+    assert not (run_dir / "collector_crash.log").exists()  # empty crash logs are removed
+
+
+def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, capsys):
+    from simstream.cli.rl import EXIT_COLLECTOR_DIED, main
+
+    code = main([
+        "--env", env_id("raise"), "--num-envs", "2", "--steps-per-rollout", "16", "--minibatch-size", "16",
+        "--runs-dir", str(tmp_path), "--name", "dies", "--no-progress",
+    ])  # fmt: skip
+    assert code == EXIT_COLLECTOR_DIED
+    err = capsys.readouterr().err
+    assert "the collector process died" in err
+    assert "ValueError: injected failure in the middle of a rollout" in err
+    summary = json.loads((tmp_path / "dies" / "summary.json").read_text())
+    assert summary["status"] == "collector_died"
+    assert "injected failure" in summary["failure"]
+    assert "injected failure" in (tmp_path / "dies" / "collector_crash.log").read_text()
+
+
+@pytest.mark.slow
+def test_async_ppo_learns_inverted_pendulum():
+    """Mean return of 20 consecutive training episodes >= 900 within 150k env frames (typically ~40k)."""
+    cfg = APPOConfig(env_id="InvertedPendulum-v5", num_envs=16, steps_per_rollout=32, seed=0)
+    with APPORunner(cfg) as runner:
+        summary = runner.learn(1_000, log_dir=None, max_env_frames=150_000, target_return=900.0)
+    assert summary["mode"] == "async"
+    assert summary["final_return"] >= 900.0, summary
+    assert summary["env_frames"] <= 150_000 + cfg.num_slots * cfg.frames_per_rollout
+    assert summary["mean_policy_lag"] > 0  # it really ran off-policy

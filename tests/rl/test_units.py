@@ -1,0 +1,294 @@
+"""In-process tests of the pure parts: diagnosis, configs, ring, weight seqlock, V-trace, loss, guards."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+from simstream.rl import (
+    APPOConfig,
+    CollectorDiedError,
+    NonFiniteError,
+    RolloutRing,
+    RunnerConfig,
+    WeightBuffer,
+    format_collector_death,
+)
+from simstream.rl.appo import check_finite, ppo_loss, vtrace
+from simstream.rl.learner import APPOLearner
+from simstream.rl.model import ActorCritic, ObsNormalizer, pack_policy, packed_size, unpack_policy
+from simstream.rl.ring import FREE, READING, READY, WRITING
+
+pytestmark = pytest.mark.timeout(60)
+CTX = mp.get_context("spawn")
+
+
+# ---------------------------------------------------------------- format_collector_death
+@pytest.mark.parametrize(
+    ("exitcode", "traceback_text", "fragments"),
+    [
+        pytest.param(1, "Traceback ...\nValueError: boom", ["crashed with a Python exception (exit code 1)",
+                                                             "ValueError: boom"], id="traceback"),
+        pytest.param(None, "Traceback ...\nKeyError: 'x'", ["crashed with a Python exception:", "KeyError"],
+                     id="traceback-no-code"),
+        pytest.param(-9, None, ["killed by signal 9 (SIGKILL)", "out-of-memory", "dmesg | grep -i oom"],
+                     id="sigkill"),
+        pytest.param(-7, None, ["signal 7 (SIGBUS)", "/dev/shm is full"], id="sigbus"),
+        pytest.param(-11, None, ["signal 11 (SIGSEGV)", "segmentation fault"], id="sigsegv"),
+        pytest.param(-6, None, ["signal 6 (SIGABRT)", "abort()"], id="sigabrt"),
+        pytest.param(-15, None, ["signal 15 (SIGTERM)"], id="sigterm-no-hint"),
+        pytest.param(135, None, ["code 135", "shell-style status of signal 7 (SIGBUS)", "/dev/shm"],
+                     id="135"),
+        pytest.param(137, None, ["code 137", "signal 9 (SIGKILL)", "out-of-memory"], id="137"),
+        pytest.param(139, None, ["signal 11 (SIGSEGV)"], id="139"),
+        pytest.param(3, None, ["exited with code 3 without sending a Python traceback"], id="plain"),
+        pytest.param(None, None, ["exit code is unknown"], id="unknown"),
+        pytest.param(-64, "   ", ["signal 64 (SIG"], id="blank-traceback-unnamed-signal"),
+    ],
+)  # fmt: skip
+def test_format_collector_death_branches(exitcode, traceback_text, fragments):
+    report = format_collector_death(exitcode, traceback_text)
+    for fragment in fragments:
+        assert fragment in report, report
+    if exitcode == -15:
+        assert "Hint" not in report
+
+
+def test_collector_died_error_keeps_its_fields_and_pickles():
+    import pickle
+
+    error = CollectorDiedError("report text", -9, None)
+    assert isinstance(error, RuntimeError) and str(error) == "report text"
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.report, copy.exitcode, copy.traceback_text) == ("report text", -9, None)
+
+
+# ---------------------------------------------------------------- configs
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_envs": 0}, "APPOConfig.num_envs must be an int >= 1, got 0"),
+        ({"num_slots": 1}, "APPOConfig.num_slots must be an int >= 2, got 1"),
+        (
+            {"overflow": "drop_newest"},
+            "APPOConfig.overflow must be 'block' or 'drop_oldest', got 'drop_newest'",
+        ),
+        ({"max_policy_lag": -1}, "APPOConfig.max_policy_lag must be an int >= 0, got -1"),
+        ({"gamma": 1.5}, "APPOConfig.gamma must be in [0, 1], got 1.5"),
+        ({"learning_rate": 0.0}, "APPOConfig.learning_rate must be > 0, got 0.0"),
+        ({"hidden_sizes": ()}, "APPOConfig.hidden_sizes must be a non-empty tuple of ints >= 1, got ()"),
+        (
+            {"minibatch_size": 4096},
+            "APPOConfig.minibatch_size must be <= num_envs * steps_per_rollout = 1024",
+        ),
+        ({"desired_kl": -1.0}, "APPOConfig.desired_kl must be > 0, got -1.0"),
+    ],
+)
+def test_appo_config_rejects_bad_values_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        APPOConfig(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hang_timeout_s": 0}, "RunnerConfig.hang_timeout_s must be > 0, got 0"),
+        ({"poll_interval_s": 2.0}, "RunnerConfig.poll_interval_s must be in (0, 0.5], got 2.0"),
+        ({"shutdown_timeout_s": -1}, "RunnerConfig.shutdown_timeout_s must be >= 0, got -1"),
+    ],
+)
+def test_runner_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        RunnerConfig(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+# ---------------------------------------------------------------- ring
+def _ring(overflow="block", slots=3) -> RolloutRing:
+    return RolloutRing({"x": ((4,), torch.float32)}, slots, overflow, CTX)
+
+
+def _write(ring: RolloutRing, value: float, version: int) -> int:
+    slot = ring.acquire(should_stop=lambda: True)
+    assert slot is not None
+    ring.data["x"][slot].fill_(value)
+    ring.commit(slot, version)
+    return slot
+
+
+def test_ring_block_mode_back_pressure_and_order():
+    ring = _ring("block")
+    for i in range(3):
+        _write(ring, i, version=i)
+    assert ring.acquire(should_stop=lambda: True) is None  # full: a blocked writer leaves when stopped
+    taken = ring.take(max_count=2)
+    assert [t.version for t in taken] == [0, 1] and [t.seq for t in taken] == [0, 1]
+    assert ring.states().count(READING) == 2
+    data = ring.gather(taken)
+    assert data["x"][:, 0].tolist() == [0.0, 1.0]
+    ring.free(taken)
+    stats = ring.stats()
+    assert (stats.committed, stats.consumed, stats.dropped_overflow, stats.dropped_stale) == (3, 2, 0, 0)
+
+
+def test_ring_drop_oldest_counts_and_never_takes_a_slot_being_read():
+    ring = _ring("drop_oldest", slots=2)
+    _write(ring, 1.0, 0)
+    _write(ring, 2.0, 1)
+    held = ring.take(max_count=1)  # the reader holds the oldest
+    _write(ring, 3.0, 2)  # must overwrite the other READY slot, not the READING one
+    assert ring.stats().dropped_overflow == 1
+    assert ring.gather(held)["x"][0, 0] == 1.0
+    assert sorted(ring.states()) == [READY, READING]
+    ring.free(held)
+    assert [t.version for t in ring.take(5)] == [2]
+
+
+def test_ring_drops_rollouts_older_than_the_lag_cap():
+    ring = _ring()
+    _write(ring, 0.0, 3)
+    _write(ring, 0.0, 9)
+    taken = ring.take(max_count=5, min_version=5)
+    assert [t.version for t in taken] == [9]
+    assert ring.stats().dropped_stale == 1
+    assert ring.states().count(FREE) == 2
+
+
+def test_ring_gather_detects_a_broken_invariant():
+    ring = _ring()
+    _write(ring, 0.0, 0)
+    taken = ring.take(1)
+    ring._meta[taken[0].slot, 0] = WRITING  # simulate a writer touching a slot it does not own
+    with pytest.raises(RuntimeError, match="changed while it was read"):
+        ring.gather(taken)
+
+
+def test_ring_commit_requires_a_claimed_slot():
+    ring = _ring()
+    with pytest.raises(RuntimeError, match="not held by the writer"):
+        ring.commit(0, 0)
+    assert READY not in ring.states()
+
+
+@pytest.mark.parametrize(("slots", "overflow"), [(1, "block"), (2, "lossy")])
+def test_ring_rejects_bad_arguments(slots, overflow):
+    with pytest.raises(ValueError, match="RolloutRing"):
+        RolloutRing({"x": ((1,), torch.float32)}, slots, overflow, CTX)
+
+
+# ---------------------------------------------------------------- weights
+def test_weight_buffer_publishes_versions_and_rejects_torn_copies():
+    buffer = WeightBuffer(5)
+    out = torch.empty(5)
+    assert buffer.version == -1
+    buffer.publish(torch.arange(5.0), 3)
+    assert buffer.read_into(out) == 3 and out.tolist() == [0, 1, 2, 3, 4]
+    buffer._meta[0] += 1  # a writer died mid-publish: the sequence stays odd
+    with pytest.raises(TimeoutError, match="no consistent weights"):
+        buffer.read_into(out, timeout_s=0.05)
+    with pytest.raises(ValueError, match="expects 5 values"):
+        buffer.publish(torch.zeros(4), 4)
+
+
+def test_pack_unpack_roundtrip_includes_normaliser():
+    model, other = ActorCritic(3, 2, (8,), -0.5), ActorCritic(3, 2, (8,), 0.0)
+    norm, other_norm = ObsNormalizer(3), ObsNormalizer(3)
+    norm.update(torch.randn(100, 3) * 4 + 2)
+    vector = pack_policy(model, norm)
+    assert vector.numel() == packed_size(model, 3)
+    unpack_policy(vector, other, other_norm)
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    assert torch.allclose(other_norm.mean, norm.mean.float().double())
+
+
+def test_obs_normalizer_matches_batch_statistics():
+    data = torch.randn(3000, 4, dtype=torch.float64) * 3 + 1
+    norm = ObsNormalizer(4)
+    for chunk in data.split(700):
+        norm.update(chunk)
+    assert torch.allclose(norm.mean, data.mean(0), atol=1e-3)
+    assert torch.allclose(norm.var, data.var(0, unbiased=False), rtol=1e-3)
+
+
+# ---------------------------------------------------------------- V-trace and loss
+def _gae(rewards, values, bootstrap, discounts, lam):
+    adv = np.zeros_like(rewards)
+    last = np.zeros_like(bootstrap)
+    next_values = np.concatenate([values[1:], bootstrap[None]], 0)
+    for t in reversed(range(len(rewards))):
+        delta = rewards[t] + discounts[t] * next_values[t] - values[t]
+        last = delta + discounts[t] * lam * last
+        adv[t] = last
+    return adv
+
+
+def test_vtrace_on_policy_equals_gae_and_episode_ends_cut_the_trace():
+    g = torch.Generator().manual_seed(0)
+    T, B = 7, 3
+    rewards, values, bootstrap = (
+        torch.randn(T, B, generator=g),
+        torch.randn(T, B, generator=g),
+        torch.randn(B),
+    )
+    dones = torch.zeros(T, B)
+    dones[2, 1] = 1.0
+    discounts = 0.9 * (1 - dones)
+    logp = torch.randn(T, B, generator=g)
+    out = vtrace(logp, logp, rewards, values, bootstrap, discounts, lam=0.95)
+    gae = _gae(rewards.numpy(), values.numpy(), bootstrap.numpy(), discounts.numpy(), 0.95)
+    assert np.allclose((out.vs - values).numpy(), gae, atol=1e-5)
+    assert float(out.rho_clip_fraction) == 0.0
+
+
+def test_vtrace_truncates_importance_weights():
+    T, B = 4, 2
+    behaviour = torch.zeros(T, B)
+    target = torch.full((T, B), 2.0)  # pi/mu = e^2 > rho_bar
+    out = vtrace(behaviour, target, torch.ones(T, B), torch.zeros(T, B), torch.zeros(B), torch.ones(T, B),
+                 rho_bar=1.0, c_bar=1.0)  # fmt: skip
+    assert float(out.rho_clip_fraction) == 1.0
+    assert torch.allclose(out.vs[-1], torch.ones(B))  # rho clipped to 1: v_T-1 = r
+
+
+def test_ppo_loss_on_policy_has_unit_ratio_and_no_clipping():
+    model = ActorCritic(3, 2, (8,), -0.5)
+    obs = torch.randn(32, 3)
+    dist = model.distribution(obs)
+    actions = dist.sample()
+    logp = dist.log_prob(actions).sum(-1).detach()
+    target = model.distribution(obs)
+    loss = ppo_loss(dist, model.value(obs), actions, logp, logp, target, torch.randn(32), torch.randn(32),
+                    clip_ratio=0.2, value_coef=0.5, entropy_coef=0.01)  # fmt: skip
+    assert float(loss.clip_fraction) == 0.0
+    assert abs(float(loss.kl_target)) < 1e-6 and abs(float(loss.kl_behaviour)) < 1e-6
+    loss.total.backward()
+    assert model.log_std.grad is not None
+
+
+def test_check_finite_names_the_tensor():
+    check_finite("fine", torch.ones(2))
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite values in 'obs': 2 of 6 entries \(first at index \(0, 1\)"
+    ):
+        check_finite("obs", torch.tensor([[0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0]]))
+    assert issubclass(NonFiniteError, FloatingPointError)
+
+
+def test_learner_nan_guard_rejects_a_poisoned_batch():
+    cfg = APPOConfig(num_envs=2, steps_per_rollout=4, minibatch_size=8, hidden_sizes=(8,))
+    learner = APPOLearner(cfg, 3, 1, "cpu")
+    batch = {
+        "obs": torch.randn(4, 2, 3), "actions": torch.randn(4, 2, 1), "logp": torch.zeros(4, 2),
+        "rewards": torch.zeros(4, 2), "dones": torch.zeros(4, 2), "last_obs": torch.randn(2, 3),
+    }  # fmt: skip
+    metrics = learner.update(batch)
+    assert np.isfinite(metrics["loss/policy"]) and learner.updates == 1
+    batch["rewards"][1, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"'batch\.rewards'"):
+        learner.update(batch)
+    assert learner.updates == 1  # nothing changed
