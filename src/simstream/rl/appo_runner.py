@@ -19,7 +19,14 @@ from dataclasses import asdict
 import torch
 
 from ..errors import CollectorDiedError
-from .collector import CollectorSpec, RolloutCollector, describe_env, ring_fields, run_appo_collector
+from .collector import (
+    TIMING_KEYS,
+    CollectorSpec,
+    RolloutCollector,
+    describe_env,
+    ring_fields,
+    run_appo_collector,
+)
 from .config import APPOConfig
 from .learner import APPOLearner
 from .model import packed_size
@@ -112,6 +119,7 @@ class APPORunner(AsyncRunner):
         *,
         max_env_frames: int | None = None,
         target_return: float | None = None,
+        max_wall_s: float | None = None,
         callback: Callable[[dict[str, float]], None] | None = None,
     ) -> dict:
         """Run up to ``max_iterations`` updates; stop early at ``max_env_frames`` or ``target_return``.
@@ -122,6 +130,7 @@ class APPORunner(AsyncRunner):
             log_dir: TensorBoard logs, checkpoints and the collector crash log; ``None`` writes nothing.
             max_env_frames: Stop once the collector has stepped this many frames in total.
             target_return: Stop once the mean return of the last ``stats_window`` episodes reaches it.
+            max_wall_s: Stop after the update that ends past this many seconds since ``learn`` began.
             callback: Called with each history row (the CLI's progress bar).
 
         Returns:
@@ -153,7 +162,7 @@ class APPORunner(AsyncRunner):
                     checkpoint = self.save_checkpoint(
                         os.path.join(log_dir, f"model_{self.iterations_done}.pt")
                     )
-                if self._should_stop(row, max_env_frames, target_return):
+                if self._should_stop(row, max_env_frames, target_return, max_wall_s):
                     break
             status = "completed"
             if log_dir is not None:
@@ -172,9 +181,13 @@ class APPORunner(AsyncRunner):
         return self.last_run_summary
 
     def _iterate(self, started: float) -> dict[str, float]:
-        taken, batch, episodes = self._next_batch()
+        waited = time.perf_counter()
+        taken, batch, episodes, timing = self._next_batch()
+        updated = time.perf_counter()
         lags = [self.policy_version - t.version for t in taken]
         metrics = self.learner.update(batch)
+        timing["learner/update_s"] = time.perf_counter() - updated
+        timing["learner/wait_s"] = updated - waited
         self.policy_version += 1
         self.weights.publish(self.learner.snapshot(), self.policy_version)
         self.iterations_done += 1
@@ -198,13 +211,14 @@ class APPORunner(AsyncRunner):
             "ring/dropped_overflow": float(ring.dropped_overflow),
             "ring/dropped_stale": float(ring.dropped_stale),
             **metrics,
+            **timing,
         }
         if row["rl/episodes_in_window"] >= self.config.stats_window:
             self._best_return = max(self._best_return, row["rl/return"])
         self.history.append(row)
         return row
 
-    def _next_batch(self) -> tuple[list[TakenSlot], dict[str, torch.Tensor], list[tuple[float, float]]]:
+    def _next_batch(self) -> tuple[list[TakenSlot], dict, list[tuple[float, float]], dict[str, float]]:
         cfg, ring = self.config, self.ring
         if self._serial is not None:
             self._serial.pull_weights(lambda: False, -1)
@@ -231,10 +245,15 @@ class APPORunner(AsyncRunner):
             episodes += zip(
                 data["episode_returns"][i, :count].tolist(), data["episode_lengths"][i, :count].tolist()
             )
-        return taken, batch, episodes
+        timing = dict(zip(TIMING_KEYS, data["timing_s"].mean(0).tolist()))
+        return taken, batch, episodes, timing
 
-    def _should_stop(self, row: dict, max_env_frames: int | None, target_return: float | None) -> bool:
+    def _should_stop(
+        self, row: dict, max_env_frames: int | None, target_return: float | None, max_wall_s: float | None
+    ) -> bool:
         if max_env_frames is not None and row["rl/env_frames"] >= max_env_frames:
+            return True
+        if max_wall_s is not None and row["rl/wall_s"] >= max_wall_s:
             return True
         return (
             target_return is not None

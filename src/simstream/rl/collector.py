@@ -20,7 +20,17 @@ from .model import ActorCritic, ObsNormalizer, unpack_policy
 from .ring import RolloutRing
 from .weights import WeightBuffer
 
-__all__ = ["CollectorSpec", "RolloutCollector", "describe_env", "ring_fields", "run_appo_collector"]
+__all__ = [
+    "TIMING_KEYS",
+    "CollectorSpec",
+    "RolloutCollector",
+    "describe_env",
+    "ring_fields",
+    "run_appo_collector",
+]
+
+TIMING_KEYS = ("collector/rollout_s", "collector/env_step_s", "collector/wait_s")
+"""Per rollout: seconds producing it, of which stepping environments, and seconds blocked before it."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ def ring_fields(spec: CollectorSpec) -> dict[str, tuple[tuple[int, ...], torch.d
         "episode_returns": ((t * n,), f32),
         "episode_lengths": ((t * n,), f32),
         "num_episodes": ((), torch.int64),
+        "timing_s": ((len(TIMING_KEYS),), f32),
     }
 
 
@@ -114,6 +125,7 @@ class RolloutCollector:
         self.obs = torch.as_tensor(obs, dtype=torch.float32)
         self.ep_return = np.zeros(spec.num_envs)
         self.ep_length = np.zeros(spec.num_envs)
+        self._waited_s = self._env_s = 0.0
 
     def pull_weights(self, should_stop: Callable[[], bool], newer_than: int) -> bool:
         """Apply the newest weights, first waiting until their version exceeds ``newer_than``.
@@ -121,11 +133,13 @@ class RolloutCollector:
         Returns:
             ``False`` if asked to stop while waiting.
         """
+        began = time.perf_counter()
         while self.weights.version <= newer_than:
             if should_stop():
                 return False
             self.beat()
             time.sleep(0.0005)
+        self._waited_s += time.perf_counter() - began
         if self.weights.version != self.version:
             self.version = self.weights.read_into(self._vector, on_retry=self.beat)
             unpack_policy(self._vector, self.model, self.normalizer)
@@ -133,11 +147,14 @@ class RolloutCollector:
 
     def collect(self, should_stop: Callable[[], bool]) -> bool:
         """Write one rollout into a ring slot and commit it; ``False`` if stopped first."""
+        began = time.perf_counter()
         slot = self.ring.acquire(should_stop=should_stop, on_wait=self.beat)
         if slot is None:
             return False
+        started = time.perf_counter()
         view = {name: tensor[slot] for name, tensor in self.ring.data.items()}
         episodes = 0
+        self._env_s = 0.0
         for t in range(self.spec.steps):
             if should_stop():
                 return False
@@ -145,6 +162,8 @@ class RolloutCollector:
             episodes = self._step(view, t, episodes)
         view["last_obs"].copy_(self.obs)
         view["num_episodes"].fill_(episodes)
+        waited, self._waited_s = self._waited_s + started - began, 0.0
+        view["timing_s"].copy_(torch.tensor([time.perf_counter() - started, self._env_s, waited]))
         self.ring.commit(slot, self.version)
         return True
 
@@ -155,9 +174,11 @@ class RolloutCollector:
             action = torch.normal(dist.mean, dist.stddev, generator=self._noise)
             logp = dist.log_prob(action).sum(-1)
         check_finite("actions", action)
+        stepped = time.perf_counter()
         next_obs, reward, terminated, truncated, info = self.envs.step(
             torch.maximum(torch.minimum(action, self.high), self.low).numpy()
         )
+        self._env_s += time.perf_counter() - stepped
         rewards = torch.as_tensor(reward, dtype=torch.float32)
         check_finite("rewards", rewards)
         learn_rewards = rewards * self.spec.reward_scale

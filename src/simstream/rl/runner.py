@@ -19,9 +19,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import shutil
-import signal
-import tempfile
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -34,6 +31,7 @@ from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
 from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor
 from .config import RunnerConfig
+from .crash_log import CrashLog
 from .diagnosis import CollectorHangError, format_collector_death, format_collector_hang
 
 __all__ = ["AsyncRunner", "CloseReport"]
@@ -43,7 +41,6 @@ logger = logging.getLogger(__name__)
 _SPAWN = mp.get_context("spawn")
 _ENTRY = "simstream.rl._entry:collector_entry"
 _LABEL = "collector"
-_CRASH_LOG = "collector_crash.log"
 T = TypeVar("T")
 
 
@@ -102,8 +99,7 @@ class AsyncRunner(ABC):
         self._heartbeat: Heartbeat | None = None
         self._supervisor: WorkerSupervisor | None = None
         self._finalizer: weakref.finalize | None = None
-        self._crash_path: str | None = None
-        self._owned_crash_dir: str | None = None
+        self._crash_log: CrashLog | None = None
         self._failure: CollectorDiedError | None = None
         self.last_close_report: CloseReport | None = None
 
@@ -143,10 +139,7 @@ class AsyncRunner(ABC):
         if self._supervisor is not None:
             raise RuntimeError(f"{type(self).__name__}: the collector was already started")
         cfg = self.runner_config
-        if crash_dir is None:
-            crash_dir = self._owned_crash_dir = tempfile.mkdtemp(prefix="simstream-rl-")
-        os.makedirs(crash_dir, exist_ok=True)
-        self._crash_path = os.path.join(crash_dir, _CRASH_LOG)
+        self._crash_log = CrashLog(crash_dir)
         self._channel = ErrorChannel(_SPAWN)
         self._heartbeat = Heartbeat(1, _SPAWN)
         self._heartbeat.hold(0, cfg.startup_timeout_s)
@@ -163,7 +156,7 @@ class AsyncRunner(ABC):
             self._stop_event,
             self._heartbeat,
             cfg.startup_timeout_s,
-            self._crash_path,
+            self._crash_log.path,
             kwargs,
         )
         try:
@@ -235,7 +228,8 @@ class AsyncRunner(ABC):
         # or a hang. Only a record published by the collector itself carries a Python traceback.
         from_monitor = record is not None and record.pid == os.getpid()
         if from_monitor and record.type_qualname == "TimeoutError" and record.exitcode is None:
-            stack = self._dump_stacks()
+            process = self._process()
+            stack = self._crash_log.dump_stacks(process.pid) if process is not None else ""
             age = self._heartbeat.age_s(0)
             return CollectorHangError(
                 format_collector_hang(age, self.runner_config.hang_timeout_s, stack), None, stack or None
@@ -248,11 +242,11 @@ class AsyncRunner(ABC):
             traceback_text = record.traceback_text
         report = format_collector_death(exitcode, traceback_text)
         if traceback_text is None:
-            native = self._read_crash_log()
+            native = self._crash_log.read()
             if native:
                 report += f"\nOutput in the collector's crash log (faulthandler):\n{native}"
-        if self._crash_path and os.path.exists(self._crash_path) and not self._owned_crash_dir:
-            report += f"\nCrash log: {self._crash_path}"
+        if not self._crash_log.owns_directory:
+            report += f"\nCrash log: {self._crash_log.path}"
         error = CollectorDiedError(report, exitcode, traceback_text)
         if traceback_text is not None:
             error.__cause__ = self._channel.error()
@@ -270,29 +264,6 @@ class AsyncRunner(ABC):
                     return code
             time.sleep(0.005)
         return None
-
-    def _dump_stacks(self) -> str:
-        process, path = self._process(), self._crash_path
-        if process is None or path is None or not hasattr(signal, "SIGUSR1"):
-            return ""
-        before = os.path.getsize(path) if os.path.exists(path) else 0
-        try:
-            os.kill(process.pid, signal.SIGUSR1)
-        except OSError:
-            return ""
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and os.path.getsize(path) == before:
-            time.sleep(0.02)
-        time.sleep(0.05)  # let faulthandler finish the dump
-        return self._read_crash_log(start=before)
-
-    def _read_crash_log(self, start: int = 0, limit: int = 16 * 1024) -> str:
-        if not self._crash_path or not os.path.exists(self._crash_path):
-            return ""
-        with open(self._crash_path, errors="replace") as log:
-            log.seek(start)
-            text = log.read()
-        return text[-limit:].strip()
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> CloseReport:
@@ -329,10 +300,8 @@ class AsyncRunner(ABC):
         if self._finalizer is not None:
             self._finalizer.detach()
         released = self._release_resources()
-        if self._owned_crash_dir is not None:
-            shutil.rmtree(self._owned_crash_dir, ignore_errors=True)
-        elif self._crash_path and os.path.exists(self._crash_path) and os.path.getsize(self._crash_path) == 0:
-            os.remove(self._crash_path)
+        if self._crash_log is not None:
+            self._crash_log.cleanup()
         self.last_close_report = CloseReport(exitcode, forced, still_alive, released, failure)
         return self.last_close_report
 
