@@ -39,6 +39,17 @@ def test_toy_runner_lifecycle_context_manager_and_idempotent_close():
         runner.learn(1)
 
 
+def test_ctrl_c_is_left_to_the_learner():
+    """SIGINT goes to the whole process group; the collector ignores it and stops through close()."""
+    import signal
+
+    with ToyRunner() as runner:
+        runner.learn(5)
+        os.kill(runner.collector_pid, signal.SIGINT)
+        assert runner.learn(30) >= 30
+    assert runner.last_close_report.clean
+
+
 def test_close_before_start_is_clean():
     runner = ToyRunner()
     report = runner.close()
@@ -191,3 +202,47 @@ def test_async_ppo_learns_inverted_pendulum():
     assert summary["final_return"] >= 900.0, summary
     assert summary["env_frames"] <= 150_000 + cfg.num_slots * cfg.frames_per_rollout
     assert summary["mean_policy_lag"] > 0  # it really ran off-policy
+
+
+_ORPHAN_SCRIPT = """
+import os, signal
+from simstream.rl import APPOConfig, APPORunner
+from tests.rl.fault_env import env_id
+
+if __name__ == "__main__":
+    cfg = APPOConfig(env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16)
+    runner = APPORunner(cfg)
+    runner.learn(2, log_dir=None)
+    print(runner.collector_pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the collector is orphaned
+"""
+
+
+def test_collector_exits_when_the_learner_is_killed(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "learner.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    # Output goes to a file, not a pipe: an orphan holding the pipe open would block reading it.
+    with open(tmp_path / "out.txt", "w") as out:
+        learner = subprocess.Popen(
+            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )  # fmt: skip
+        learner.wait(timeout=90)
+    text = (tmp_path / "out.txt").read_text()
+    pid = int(text.split()[0]) if text.split() and text.split()[0].isdigit() else None
+    assert pid is not None, text[-2000:]
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the orphaned collector kept running for 10 s after its learner was killed")

@@ -1,8 +1,9 @@
 """First code of the collector process after the shared ``worker_entry`` guard (kept free of heavy imports).
 
-It arms ``faulthandler`` on the run's crash log (so SIGSEGV, SIGABRT and SIGBUS leave a Python stack, and
-SIGUSR1 dumps the stacks of a hung collector), grants the start-up grace on the heartbeat, then imports
-the collector function by name: an import error happens here, inside the guard, and is reported.
+It ignores SIGINT (the learner handles Ctrl-C), arms ``faulthandler`` on the run's crash log (so SIGSEGV,
+SIGABRT and SIGBUS leave a Python stack, and SIGUSR1 dumps the stacks of a hung collector), grants the
+start-up grace on the heartbeat, then imports the collector function by name: an import error happens
+here, inside the guard, and is reported.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def collector_entry(
     kwargs: dict,
 ) -> None:
     """Run ``target(stop_event=..., heartbeat=..., **kwargs)`` with crash reporting armed."""
+    # Ctrl-C reaches the whole process group: the learner decides, and close() stops the collector cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     crash_log = open(crash_path, "a", buffering=1)  # noqa: SIM115 - must outlive this frame for faulthandler
     faulthandler.enable(crash_log, all_threads=True)
     if hasattr(signal, "SIGUSR1"):

@@ -7,6 +7,7 @@ comes from exactly one policy version, which it carries in the ring.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -229,10 +230,18 @@ def run_appo_collector(
     ring: RolloutRing,
     weights: WeightBuffer,
 ) -> None:
-    """Collector process body (``APPORunner._collector_fn``): build, then collect until stopped."""
+    """Collector process body (``APPORunner._collector_fn``): build, then collect until stopped.
+
+    Also stops when the learner process is gone (killed without ``close()``), so no collector outlives it.
+    """
     torch.set_num_threads(1)
+    parent = mp.parent_process()
     collector = RolloutCollector(spec, ring, weights, beat=heartbeat)
+
+    def should_stop() -> bool:
+        return stop_event.is_set() or (parent is not None and not parent.is_alive())
+
     try:
-        collector.run(stop_event.is_set)
+        collector.run(should_stop)
     finally:
         collector.close()
