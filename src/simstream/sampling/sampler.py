@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
-from .gather import BatchGatherer
-from .windows import WindowSelection, candidate_rows, draw_rows, draw_starts
+from .gather import BatchGatherer, ChunkFrames
+from .windows import IndexTables, WindowSelection, candidate_rows, draw_rows, draw_starts
 
 __all__ = ["WindowSampler"]
 
 _MAX_TORN_ROUNDS = 64
-FrameMap = Callable[[WindowSelection], torch.Tensor]
+FrameMap = Callable[[WindowSelection], "torch.Tensor | ChunkFrames"]
+"""Selected windows -> their frames: ``[n, L]`` flat indices (padding frame for padded positions)."""
 
 
 class WindowSampler:
@@ -32,6 +34,7 @@ class WindowSampler:
         self.storage = storage
         self.index = index
         self.quota = quota
+        self.tables = IndexTables(index)
         self.gatherer = BatchGatherer(storage)
 
     def sample_chunks(
@@ -46,10 +49,9 @@ class WindowSampler:
     ) -> TensorDict:
         """``batch_size`` windows of ``chunk_size`` valid frames; every key copied."""
         steps = self.storage.max_steps
-        offsets = torch.arange(chunk_size)
 
-        def frames(selection: WindowSelection) -> torch.Tensor:
-            return (selection.rows * steps + selection.starts)[:, None] + offsets
+        def frames(selection: WindowSelection) -> ChunkFrames:
+            return ChunkFrames(torch.from_numpy(selection.rows * steps + selection.starts), chunk_size)
 
         unavailable = (
             "[OnlineDataEngine] No unlocked valid chunk satisfies "
@@ -71,15 +73,15 @@ class WindowSampler:
     ) -> TensorDict:
         """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``."""
         steps, pad = self.storage.max_steps, self.storage.pad_index
-        positions = torch.arange(history_length + prediction_horizon - 1) - (history_length - 1)
+        positions = np.arange(history_length + prediction_horizon - 1) - (history_length - 1)
         row_filter = None
         if generations is not None:
-            row_filter = torch.isin(self.index.generation, torch.tensor(generations, dtype=torch.int64))
+            row_filter = np.isin(self.index.generation.numpy(), np.asarray(generations, dtype=np.int64))
 
         def frames(selection: WindowSelection) -> torch.Tensor:
             times = selection.starts[:, None] + positions
             inside = (times >= selection.run_lo[:, None]) & (times < selection.run_hi[:, None])
-            return torch.where(inside, selection.rows[:, None] * steps + times, pad)
+            return torch.from_numpy(np.where(inside, selection.rows[:, None] * steps + times, pad))
 
         unavailable = (
             f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
@@ -87,20 +89,23 @@ class WindowSampler:
         batch = self._sample(
             batch_size, 1, mode, generator, row_filter, frames, unavailable, None, before_charge
         )
-        batch.set("loss_mask", batch.get("valid") & (positions >= 0))
+        batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
     # -----------------------------------------------------------------------------------------------
     def _select(
         self, count: int, chunk: int, mode: str, generator, row_filter, unavailable: str
     ) -> WindowSelection:
-        drawn = draw_rows(self.index, count, chunk, mode, generator, row_filter)
+        tables = self.tables.views()
+        drawn = draw_rows(tables, count, chunk, mode, generator, row_filter)
         if drawn is None:
             raise DataUnavailableError(unavailable)
-        return draw_starts(self.index, *drawn, chunk, mode, generator)
+        return draw_starts(tables, *drawn, chunk, mode, generator)
 
-    def _torn(self, selection: WindowSelection) -> torch.Tensor:
-        return ~selection.ok | (self.index.version[selection.rows] != selection.versions)
+    def _torn(self, selection: WindowSelection) -> np.ndarray:
+        """Items to draw again: unsampleable when selected, or their row changed since (seqlock)."""
+        changed = self.tables.views().version[selection.rows] != selection.versions
+        return np.flatnonzero(~selection.ok | changed)
 
     def _sample(
         self,
@@ -121,13 +126,12 @@ class WindowSampler:
         selection = self._select(batch_size, chunk, mode, generator, row_filter, unavailable)
         batch = self.gatherer.gather(frames(selection), out)
         for _ in range(_MAX_TORN_ROUNDS):
-            torn = self._torn(selection).nonzero().squeeze(1)
-            if torn.numel() == 0:
+            torn = self._torn(selection)
+            if torn.size == 0:
                 return batch
-            redo = self._select(torn.numel(), chunk, mode, generator, row_filter, unavailable)
-            batch[torn] = self.gatherer.gather(frames(redo))
-            for name in ("rows", "starts", "run_lo", "run_hi", "versions", "ok"):
-                getattr(selection, name)[torn] = getattr(redo, name)
+            redo = self._select(torn.size, chunk, mode, generator, row_filter, unavailable)
+            batch[torch.from_numpy(torn)] = self.gatherer.gather(frames(redo))
+            selection.replace(torn, redo)
         raise DataUnavailableError(
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
         )
@@ -136,9 +140,11 @@ class WindowSampler:
         self, batch_size, chunk, mode, generator, row_filter, frames: FrameMap, unavailable, before_charge
     ) -> TensorDict:
         quota = self.quota
+        filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
         with quota.lock:
             for _ in range(_MAX_TORN_ROUNDS):
-                candidates = candidate_rows(self.index, chunk, mode, row_filter)
+                tables = self.tables.views()
+                candidates = candidate_rows(self.index, chunk, mode, filter_tensor)
                 if candidates.numel() == 0:
                     raise DataUnavailableError(unavailable)
                 remaining = int(quota.remaining(candidates).sum())
@@ -147,14 +153,14 @@ class WindowSampler:
                         "Eligible unlocked episode quotas cannot supply a complete batch of "
                         f"{batch_size} chunks; remaining={remaining}."
                     )
-                rows = quota.draw_rows(candidates, batch_size, generator=generator)
-                selection = draw_starts(self.index, rows, self.index.version[rows], chunk, mode, generator)
+                rows = quota.draw_rows(candidates, batch_size, generator=generator).numpy()
+                selection = draw_starts(tables, rows, tables.version[rows], chunk, mode, generator)
                 batch = self.gatherer.gather(frames(selection))
-                if self._torn(selection).any():
+                if self._torn(selection).size:
                     continue
                 if before_charge is not None:
                     before_charge()
-                quota.debit(selection.rows)
+                quota.debit(torch.from_numpy(selection.rows))
                 return batch
         raise DataUnavailableError(
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."

@@ -4,39 +4,98 @@ Distribution (episode-uniform, as in the reference engine): a row is drawn unifo
 hold at least one eligible window for the request, then a start uniformly among that row's eligible
 starts. Rows are drawn by rejection from all rows first (exact, O(batch) when most rows are eligible) and
 from the explicit candidate list only for the items still rejected after a few rounds.
+
+The arithmetic runs in NumPy on zero-copy views of the shared tables: for a batch of a few hundred items
+a NumPy operation costs about a microsecond, a torch operation several, and selection is a dozen of them.
+Random numbers still come from the caller's ``torch.Generator``, so a seed reproduces the batch.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..buffer.index import EPISODE, SEGMENT, EligibilityIndex
 
-__all__ = ["WindowSelection", "candidate_rows", "draw_rows", "draw_starts"]
+__all__ = ["IndexTables", "WindowSelection", "candidate_rows", "draw_rows", "draw_starts"]
 
 _REJECTION_ROUNDS = 4
 
 
 @dataclass
 class WindowSelection:
-    """Sampled windows: row, start, the enclosing run ``[run_lo, run_hi)`` and the row version read."""
+    """Sampled windows: row, start, the enclosing run ``[run_lo, run_hi)`` and the row version read.
 
-    rows: torch.Tensor
-    starts: torch.Tensor
-    run_lo: torch.Tensor
-    run_hi: torch.Tensor
-    versions: torch.Tensor
-    ok: torch.Tensor
+    Every field is an int64 (``ok``: bool) NumPy array of one entry per item.
+    """
+
+    rows: np.ndarray
+    starts: np.ndarray
+    run_lo: np.ndarray
+    run_hi: np.ndarray
+    versions: np.ndarray
+    ok: np.ndarray
     """False where the tables changed under the reader (the item must be drawn again)."""
+
+    def replace(self, items: np.ndarray, other: WindowSelection) -> None:
+        """Overwrite ``items`` with the windows of ``other`` (one per item, in order)."""
+        for name in ("rows", "starts", "run_lo", "run_hi", "versions", "ok"):
+            getattr(self, name)[items] = getattr(other, name)
+
+
+class IndexTables:
+    """NumPy views of one :class:`EligibilityIndex`'s shared tensors (same memory, no copy).
+
+    Built lazily per process: views are never pickled, and a pickled index rebuilds them on first use.
+    """
+
+    def __init__(self, index: EligibilityIndex) -> None:
+        self.index = index
+        self._pid = -1
+
+    def __getstate__(self) -> dict:
+        return {"index": self.index}
+
+    def __setstate__(self, state: dict) -> None:
+        self.index = state["index"]
+        self._pid = -1
+
+    def views(self) -> IndexTables:
+        if self._pid != os.getpid():
+            index = self.index
+            self.version = index.version.numpy()
+            self.longest_run = index.longest_run.numpy()
+            self.longest_point_run = index.longest_point_run.numpy()
+            self.num_runs = index.num_runs.numpy()
+            self.run_lo = index.run_lo.numpy()
+            self.run_hi = index.run_hi.numpy()
+            self.first_lo = self.run_lo[:, :, 0]  # [mode, row]: plain 1-D lookups on the fast path
+            self.first_hi = self.run_hi[:, :, 0]
+            self.num_points = index.num_points.numpy()
+            self.point = index.point.numpy()
+            self.buffer_size = index.buffer_size
+            self._pid = os.getpid()
+        return self
+
+    def longest(self, mode: str) -> np.ndarray:
+        if mode == "boundary":
+            return self.longest_point_run
+        return self.longest_run[EPISODE if mode == "episode" else SEGMENT]
+
+
+def uniform(count: int, generator: torch.Generator | None) -> np.ndarray:
+    """``count`` float64 draws in ``[0, 1)`` from the caller's torch generator."""
+    return torch.rand(count, generator=generator, dtype=torch.float64).numpy()
 
 
 def _eligible(
-    index: EligibilityIndex, rows: torch.Tensor, chunk: int, mode: str, row_filter: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    versions = index.version[rows]
-    ok = ((versions & 1) == 0) & (index.longest(mode)[rows] >= chunk)
+    tables: IndexTables, rows: np.ndarray, chunk: int, mode: str, row_filter: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    versions = tables.version[rows]
+    ok = ((versions & 1) == 0) & (tables.longest(mode)[rows] >= chunk)
     if row_filter is not None:
         ok &= row_filter[rows]
     return ok, versions
@@ -53,79 +112,106 @@ def candidate_rows(
 
 
 def draw_rows(
-    index: EligibilityIndex,
+    tables: IndexTables,
     count: int,
     chunk: int,
     mode: str,
     generator: torch.Generator | None,
-    row_filter: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    row_filter: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     """``count`` rows uniform over eligible rows and their versions, or ``None`` if no row is eligible."""
-    rows = torch.randint(0, index.buffer_size, (count,), generator=generator)
-    ok, versions = _eligible(index, rows, chunk, mode, row_filter)
+    size = tables.buffer_size
+    rows = (uniform(count, generator) * size).astype(np.int64)
+    ok, versions = _eligible(tables, rows, chunk, mode, row_filter)
     for _ in range(_REJECTION_ROUNDS):
-        missing = (~ok).nonzero().squeeze(1)
-        if missing.numel() == 0:
+        if ok.all():
             return rows, versions
-        redraw = torch.randint(0, index.buffer_size, (missing.numel(),), generator=generator)
-        redraw_ok, redraw_versions = _eligible(index, redraw, chunk, mode, row_filter)
-        rows[missing], ok[missing], versions[missing] = redraw, redraw_ok, redraw_versions
-    missing = (~ok).nonzero().squeeze(1)
-    if missing.numel():
-        candidates = candidate_rows(index, chunk, mode, row_filter)
-        if candidates.numel() == 0:
+        missing = np.flatnonzero(~ok)
+        redraw = (uniform(missing.size, generator) * size).astype(np.int64)
+        rows[missing] = redraw
+        ok[missing], versions[missing] = _eligible(tables, redraw, chunk, mode, row_filter)
+    missing = np.flatnonzero(~ok)
+    if missing.size:
+        filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
+        candidates = candidate_rows(tables.index, chunk, mode, filter_tensor).numpy()
+        if candidates.size == 0:
             return None
-        picked = candidates[torch.randint(0, candidates.numel(), (missing.numel(),), generator=generator)]
+        picked = candidates[(uniform(missing.size, generator) * candidates.size).astype(np.int64)]
         rows[missing] = picked
-        versions[missing] = index.version[picked]
+        versions[missing] = tables.version[picked]
     return rows, versions
 
 
 def draw_starts(
-    index: EligibilityIndex,
-    rows: torch.Tensor,
-    versions: torch.Tensor,
+    tables: IndexTables,
+    rows: np.ndarray,
+    versions: np.ndarray,
     chunk: int,
     mode: str,
     generator: torch.Generator | None,
 ) -> WindowSelection:
     """A start uniform among each row's eligible starts for windows of ``chunk`` frames."""
     if mode == "boundary":
-        lo, hi, run_lo, run_hi = _boundary_intervals(index, rows, chunk)
+        lo, hi, run_lo, run_hi = _boundary_intervals(tables, rows, chunk)
     else:
         table = EPISODE if mode == "episode" else SEGMENT
-        width = max(int(index.num_runs[table, rows].max()), 1) if rows.numel() else 1
-        run_lo = index.run_lo[table, rows, :width].long()
-        run_hi = index.run_hi[table, rows, :width].long()
-        present = torch.arange(width) < index.num_runs[table, rows, None]
-        lo, hi = run_lo, torch.where(present, run_hi - chunk, run_lo - 1)
-    counts = (hi - lo + 1).clamp_min(0)
+        num_runs = tables.num_runs[table, rows]
+        width = max(int(num_runs.max()), 1) if rows.size else 1
+        if width == 1:  # one run per row (every episode without continuity breaks): no table walk
+            return _single_run_starts(tables, table, rows, versions, num_runs, chunk, generator)
+        run_lo = tables.run_lo[table, rows, :width].astype(np.int64)
+        run_hi = tables.run_hi[table, rows, :width].astype(np.int64)
+        present = np.arange(width) < num_runs[:, None]
+        lo, hi = run_lo, np.where(present, run_hi - chunk, run_lo - 1)
+    counts = np.maximum(hi - lo + 1, 0)
     cumulative = counts.cumsum(1)
     total = cumulative[:, -1]
-    u = (torch.rand(rows.numel(), generator=generator, dtype=torch.float64) * total).long()
-    u = torch.minimum(u, (total - 1).clamp_min(0))
-    pick = (cumulative <= u[:, None]).sum(1).clamp_max(counts.shape[1] - 1)[:, None]
-    before = (cumulative - counts).gather(1, pick).squeeze(1)
-    starts = lo.gather(1, pick).squeeze(1) + (u - before)
+    u = np.minimum((uniform(rows.size, generator) * total).astype(np.int64), np.maximum(total - 1, 0))
+    pick = np.minimum((cumulative <= u[:, None]).sum(1), counts.shape[1] - 1)[:, None]
+    before = np.take_along_axis(cumulative - counts, pick, 1)[:, 0]
+    starts = np.take_along_axis(lo, pick, 1)[:, 0] + (u - before)
     return WindowSelection(
         rows=rows,
-        starts=starts,
-        run_lo=run_lo.gather(1, pick).squeeze(1),
-        run_hi=run_hi.gather(1, pick).squeeze(1),
+        starts=np.where(total > 0, starts, 0),  # a stale table must not point outside the row
+        run_lo=np.take_along_axis(run_lo, pick, 1)[:, 0],
+        run_hi=np.take_along_axis(run_hi, pick, 1)[:, 0],
         versions=versions,
         ok=(total > 0) & ((versions & 1) == 0),
     )
 
 
-def _boundary_intervals(index: EligibilityIndex, rows: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+def _single_run_starts(
+    tables: IndexTables,
+    table: int,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    num_runs: np.ndarray,
+    chunk: int,
+    generator: torch.Generator | None,
+) -> WindowSelection:
+    run_lo = tables.first_lo[table][rows].astype(np.int64)
+    run_hi = tables.first_hi[table][rows].astype(np.int64)
+    total = np.maximum(run_hi - run_lo - (chunk - 1), 0)
+    total *= num_runs > 0
+    ok = total > 0
+    # floor(u * total) < total for u < 1; a row without a window starts at 0 and is drawn again
+    starts = (uniform(rows.size, generator) * total).astype(np.int64)
+    starts += run_lo
+    starts *= ok
+    ok &= (versions & 1) == 0
+    return WindowSelection(rows, starts, run_lo, run_hi, versions, ok)
+
+
+def _boundary_intervals(tables: IndexTables, rows: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
     # Each change point p inside run [s, e) admits starts [max(s, p-C+1), min(e-C, p-1)]; consecutive
     # points of one run give overlapping intervals, so each is cut to start after its predecessor's end.
-    width = max(int(index.num_points[rows].max()), 1) if rows.numel() else 1
-    p, s, e = (index.point[k, rows, :width].long() for k in range(3))
-    present = torch.arange(width) < index.num_points[rows, None]
-    lo = torch.maximum(s, p - chunk + 1)
-    hi = torch.where(present, torch.minimum(e - chunk, p - 1), lo - 1)
-    previous_hi = torch.full_like(hi, -1)
-    previous_hi[:, 1:] = torch.where(s[:, 1:] == s[:, :-1], hi[:, :-1], -1)
-    lo = torch.maximum(lo, previous_hi + 1)
+    num_points = tables.num_points[rows]
+    width = max(int(num_points.max()), 1) if rows.size else 1
+    p, s, e = (tables.point[k, rows, :width].astype(np.int64) for k in range(3))
+    present = np.arange(width) < num_points[:, None]
+    lo = np.maximum(s, p - chunk + 1)
+    hi = np.where(present, np.minimum(e - chunk, p - 1), lo - 1)
+    previous_hi = np.full_like(hi, -1)
+    previous_hi[:, 1:] = np.where(s[:, 1:] == s[:, :-1], hi[:, :-1], -1)
+    lo = np.maximum(lo, previous_hi + 1)
     return lo, hi, s, e
