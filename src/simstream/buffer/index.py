@@ -47,9 +47,11 @@ def _runs(ok: np.ndarray, key: np.ndarray) -> np.ndarray:
     cut = np.ones(n + 1, dtype=bool)
     cut[1:n] = (key[1:] != key[:-1]) | (ok[1:] != ok[:-1])
     edges = np.flatnonzero(cut)
-    starts, ends = edges[:-1], edges[1:]
-    keep = ok[starts]
-    return np.stack([starts[keep], ends[keep]], axis=1)
+    keep = ok[edges[:-1]]
+    runs = np.empty((int(keep.sum()), 2), dtype=np.int64)
+    runs[:, 0] = edges[:-1][keep]
+    runs[:, 1] = edges[1:][keep]
+    return runs
 
 
 def compute_row_tables(continuity: np.ndarray, segment_id: np.ndarray, accepted: np.ndarray) -> RowTables:
@@ -90,6 +92,21 @@ class EligibilityIndex:
         self.point = torch.zeros((3, rows, steps), dtype=torch.int32).share_memory_()
         self.num_points = torch.zeros(rows, dtype=torch.int32).share_memory_()
         self.longest_point_run = torch.zeros(rows, dtype=torch.int32).share_memory_()
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_arrays"] = None  # NumPy views are per process; the tensors travel as shared memory
+        return state
+
+    def _numpy(self) -> dict[str, np.ndarray]:
+        """Zero-copy NumPy views of the tables: scalar and short writes cost ~0.3 us instead of ~3 us."""
+        if self._arrays is None:
+            names = ("num_runs", "longest_run", "run_lo", "run_hi", "point", "num_points")
+            arrays = {name: getattr(self, name).numpy() for name in names}
+            arrays.update(longest_point_run=self.longest_point_run.numpy(), valid=self.valid_frames.numpy())
+            self._arrays = arrays
+        return self._arrays
 
     # -- producer side ---------------------------------------------------------------------------------
     def begin_write(self, start: int, end: int) -> None:
@@ -105,21 +122,21 @@ class EligibilityIndex:
 
     def write_tables(self, row: int, tables: RowTables) -> None:
         """Store one row's tables (the row must be odd)."""
+        a = self._numpy()
         for mode, runs in enumerate(tables.runs):
             n = len(runs)
-            self.num_runs[mode, row] = n
+            a["num_runs"][mode, row] = n
             if n:
-                self.run_lo[mode, row, :n] = torch.from_numpy(runs[:, 0])
-                self.run_hi[mode, row, :n] = torch.from_numpy(runs[:, 1])
-                self.longest_run[mode, row] = int((runs[:, 1] - runs[:, 0]).max())
+                a["run_lo"][mode, row, :n] = runs[:, 0]
+                a["run_hi"][mode, row, :n] = runs[:, 1]
+                a["longest_run"][mode, row] = (runs[:, 1] - runs[:, 0]).max()
         points = tables.boundaries
         m = len(points)
-        self.num_points[row] = m
+        a["num_points"][row] = m
         if m:
-            for k in range(3):
-                self.point[k, row, :m] = torch.from_numpy(points[:, k])
-            self.longest_point_run[row] = int((points[:, 2] - points[:, 1]).max())
-        self.valid_frames[row] = tables.valid_frames
+            a["point"][:, row, :m] = points.T
+            a["longest_point_run"][row] = (points[:, 2] - points[:, 1]).max()
+        a["valid"][row] = tables.valid_frames
 
     def end_write(self, start: int, end: int, generation: int, episode_ids: torch.Tensor) -> None:
         """Publish rows ``[start, end)``: stamp generation and episode ids, then make them even."""

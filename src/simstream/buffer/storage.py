@@ -75,6 +75,12 @@ class TrajectoryStorage:
             tensor[:frames].fill_(spec.unwritten)
             tensor[frames].fill_(spec.padding)
             self.flat[spec.path] = tensor.share_memory_()
+        self._metadata_views: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_metadata_views"] = {}  # rebuilt on demand in each process
+        return state
 
     @property
     def pad_index(self) -> int:
@@ -94,8 +100,12 @@ class TrajectoryStorage:
         return TensorDict(data, batch_size=[end - start, self.max_steps])
 
     def metadata(self, name: str) -> torch.Tensor:
-        """The ``[buffer_size, T]`` view of one top-level metadata key."""
-        return self.flat[(name,)][: self.pad_index].view(self.buffer_size, self.max_steps)
+        """The ``[buffer_size, T]`` view of one top-level metadata key (cached: writers call it per row)."""
+        view = self._metadata_views.get(name)
+        if view is None:
+            view = self.flat[(name,)][: self.pad_index].view(self.buffer_size, self.max_steps)
+            self._metadata_views[name] = view
+        return view
 
     def has(self, name: str) -> bool:
         return (name,) in self.flat

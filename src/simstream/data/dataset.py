@@ -3,6 +3,10 @@
 Each iterator (one per ``DataLoader`` worker) samples from the shared buffer forever. Item mode yields one
 chunk ``[chunk_size]`` at a time but fetches them in blocks, so it pays one selection and one gather per
 block instead of per item.
+
+Inside a ``DataLoader`` worker, batches (batch mode) and collated items (item mode) are written straight
+into one shared-memory arena per batch: sending it to the trainer then passes one file descriptor, instead
+of copying every key into its own fresh shared-memory segment as pickling private tensors does.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import DataBudgetExhaustedError
+from ..sampling.gather import empty_batch
 from .chunk_sizes import ChunkSizeSampler
 
 __all__ = ["OnlineDataset"]
@@ -92,9 +97,14 @@ class OnlineDataset(IterableDataset):
     def __iter__(self) -> Iterator[object]:
         generator = self._generator()
         if self.batch_size is not None:
+            in_worker = get_worker_info() is not None
             while True:
+                chunk = self._draw_chunk_size()
+                out = None
+                if in_worker:  # the batch leaves this process: allocate it where it is going
+                    out = empty_batch(self.engine.shared_buffer, (self.batch_size, chunk), shared=True)
                 batch = self.engine.sample_batch(
-                    self.batch_size, self._draw_chunk_size(), self.sampling_mode, generator=generator
+                    self.batch_size, chunk, self.sampling_mode, generator=generator, out=out
                 )
                 yield self._apply(batch)
         chunk = self._draw_chunk_size()
@@ -116,8 +126,15 @@ class OnlineDataset(IterableDataset):
 
     @staticmethod
     def collate_fn(items: list[TensorDict]) -> TensorDict:
-        """Stack item-mode chunks into a batch ``[len(items), chunk_size]``."""
-        return torch.stack(items)
+        """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; shared in workers)."""
+        first = items[0] if items else None
+        if not isinstance(first, TensorDictBase):
+            return torch.stack(items)
+        out = empty_batch(first, (len(items), *first.batch_size), shared=get_worker_info() is not None)
+        try:
+            return torch.stack(items, 0, out=out)
+        except (RuntimeError, ValueError, KeyError, TypeError):  # items that do not share one layout
+            return torch.stack(items)
 
     @staticmethod
     def passthrough_collate_fn(batch: TensorDict) -> TensorDict:

@@ -13,6 +13,7 @@ so a batch never changes while any tensor, view, storage or NumPy array of it is
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Hashable
@@ -23,7 +24,7 @@ from tensordict import TensorDict
 
 from ..buffer.storage import TrajectoryStorage
 
-__all__ = ["ArenaPool", "BatchGatherer", "ChunkFrames"]
+__all__ = ["ArenaPool", "BatchGatherer", "ChunkFrames", "empty_batch"]
 
 _ALIGN = 64
 """Byte alignment of each key inside an arena (a cache line; any dtype's element size divides it)."""
@@ -255,6 +256,38 @@ class BatchGatherer:
             leaves.append(shaped)
             offset += -(-count * size // _ALIGN) * _ALIGN
         return targets, leaves
+
+
+def empty_batch(template: TensorDict, batch_shape: tuple[int, ...], *, shared: bool = False) -> TensorDict:
+    """An uninitialised TensorDict of ``batch_shape`` with ``template``'s keys, dtypes and frame shapes.
+
+    Every key is a view of one arena, optionally allocated directly in shared memory: a ``DataLoader``
+    worker then sends the batch as one segment, without the copy into shared memory that pickling a
+    private tensor makes.
+
+    Args:
+        template: Any TensorDict; each leaf contributes ``leaf.shape[template.batch_dims:]`` per frame.
+        batch_shape: Leading dimensions of the new batch.
+        shared: Allocate the arena in shared memory.
+    """
+    count = math.prod(batch_shape)
+    paths, specs, nbytes = [], [], 0
+    for key in template.keys(include_nested=True, leaves_only=True):
+        leaf = template.get(key)
+        frame = tuple(leaf.shape[template.batch_dims :])
+        paths.append(key if isinstance(key, tuple) else (key,))
+        specs.append((leaf.dtype, frame, nbytes))
+        nbytes += -(-count * math.prod(frame) * leaf.element_size() // _ALIGN) * _ALIGN
+    nbytes = max(nbytes, 1)
+    if shared:
+        arena = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+    else:
+        arena = torch.empty(nbytes, dtype=torch.uint8)
+    leaves = []
+    for dtype, frame, offset in specs:
+        size = count * math.prod(frame) * dtype.itemsize
+        leaves.append(arena[offset : offset + size].view(dtype).view(*batch_shape, *frame))
+    return _tensordict(_key_tree(paths), leaves, torch.Size(batch_shape))
 
 
 def _key_tree(paths: list[tuple[str, ...]]) -> dict:
