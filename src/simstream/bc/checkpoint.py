@@ -1,0 +1,76 @@
+"""Saving and loading a demo policy: weights, normalisation, text embedding and how to execute it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .evaluate import RolloutConfig
+from .policy import ChunkPolicy, PolicyConfig
+from .text import HashedTextEmbedding
+
+__all__ = ["FORMAT", "PolicyCheckpoint", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "simstream-bc-policy/1"
+"""Tag stored in every checkpoint; :func:`load_checkpoint` rejects other files with a clear error."""
+
+
+@dataclass
+class PolicyCheckpoint:
+    """Everything needed to run a trained policy again, in any process."""
+
+    policy: ChunkPolicy
+    embedding: HashedTextEmbedding
+    task: str
+    rollout: RolloutConfig
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Free-form training facts (steps, success rate, ...)."""
+
+
+def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
+    """Write ``checkpoint`` to ``path`` (parent folders are created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": FORMAT,
+        "policy_config": dataclasses.asdict(checkpoint.policy.config),
+        "state_dict": checkpoint.policy.state_dict(),
+        "text_embedding": checkpoint.embedding.state_dict(),
+        "task": checkpoint.task,
+        "rollout": dataclasses.asdict(checkpoint.rollout),
+        "info": checkpoint.info,
+    }
+    torch.save(payload, path)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a simstream policy checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint: {error}") from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint (expected format {FORMAT!r})")
+    policy = ChunkPolicy(PolicyConfig(**payload["policy_config"]))
+    policy.load_state_dict(payload["state_dict"])
+    policy.eval()
+    return PolicyCheckpoint(
+        policy=policy,
+        embedding=HashedTextEmbedding.from_state_dict(payload["text_embedding"]),
+        task=payload["task"],
+        rollout=RolloutConfig(**payload["rollout"]),
+        info=payload.get("info", {}),
+    )

@@ -1,0 +1,195 @@
+"""``run_demo``: stream expert episodes, train a policy on them live, evaluate it, write the run folder.
+
+The engine's producers are separate processes: call :func:`run_demo` from a CLI entry point or under
+``if __name__ == "__main__":``. Stages, each with a progress bar: fill the first generation, fit the
+normalisation on it, train (producers keep refilling), evaluate ``eval_episodes`` seeded episodes, write
+``checkpoint.pt``, ``summary.json``, the PNG plots, ``report.md`` and TensorBoard logs into
+``runs/<name>/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import PolicyCheckpoint, save_checkpoint
+from .config import DemoConfig
+from .data import InstructionTable
+from .evaluate import EvalResult, eval_seeds, evaluate_policy
+from .policy import ChunkPolicy
+from .report import write_plots, write_report
+from .text import HashedTextEmbedding
+from .train import TrainingLog, fit_normalizer, train_policy
+
+__all__ = ["run_demo", "start_with_progress"]
+
+
+def start_with_progress(engine: Any, total: int, timeout_s: float) -> float:
+    """``engine.start()`` behind a progress bar of the first generation's episodes; returns seconds taken.
+
+    ``start`` runs in a helper thread while this thread polls ``get_stats()``, so Ctrl-C still reaches the
+    caller at once; the caller's ``engine.stop()`` (context manager exit) then cancels the start.
+
+    Raises:
+        TimeoutError: the first generation was not ready after ``timeout_s`` (the caller stops the engine).
+        Exception: whatever ``engine.start()`` raised (a producer's original exception).
+    """
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            engine.start()
+        except BaseException as error:  # handed to the main thread
+            errors.append(error)
+
+    began = time.monotonic()
+    thread = threading.Thread(target=start, name="simstream-demo-start", daemon=True)
+    thread.start()
+    with tqdm(total=total, desc="first generation", unit="ep", dynamic_ncols=True) as bar:
+        while thread.is_alive():
+            thread.join(0.25)
+            bar.n = min(total, int(engine.get_stats()["successful_episodes"]))
+            bar.refresh()
+            if time.monotonic() - began > timeout_s:
+                raise TimeoutError(f"the first generation was not ready after {timeout_s:.0f} s")
+        bar.n = total
+    if errors:
+        raise errors[0]
+    return time.monotonic() - began
+
+
+def _machine() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    return f"{platform.machine()}, {cores} CPU cores, torch {torch.__version__} ({threads} trainer thread)"
+
+
+def _final_eval(checkpoint: PolicyCheckpoint, episodes: int) -> tuple[EvalResult, float]:
+    began = time.monotonic()
+    seeds = eval_seeds(episodes)
+    with tqdm(total=episodes, desc="final evaluation", unit="ep", dynamic_ncols=True) as bar:
+        result = evaluate_policy(
+            checkpoint.policy, checkpoint.embedding, checkpoint.task, seeds, checkpoint.rollout,
+            on_step=bar.update,
+        )  # fmt: skip
+    return result, time.monotonic() - began
+
+
+def _stream_summary(log: TrainingLog, stats: dict[str, Any]) -> dict[str, Any]:
+    stream = log.stream
+    span = max(log.train_time_s, 1e-9)
+    first = stream[0] if stream else {"successful_episodes": stats["successful_episodes"]}
+    return {
+        "successful_episodes": int(stats["successful_episodes"]),
+        "completed_generation": int(stats["completed_generation"]),
+        "sampled_chunks": int(stats["sampled_chunks"]),
+        "generated_frames": int(stats["generated_frames"]),
+        "mean_samples_per_s": sum(s["samples_per_s"] for s in stream) / len(stream) if stream else 0.0,
+        "mean_fresh_episodes_per_s": (stats["successful_episodes"] - first["successful_episodes"]) / span,
+    }
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the whole demo; returns the summary also written to ``summary.json``.
+
+    Raises:
+        KeyboardInterrupt: after stopping the producers (nothing is left running).
+        Exception: a producer's original exception, after the engine stopped.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    from simstream import OnlineDataEngine, OnlineDataEngineCfg
+    from simstream.tasks import make_source
+
+    began = time.monotonic()
+    name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.runs_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
+    engine_cfg = OnlineDataEngineCfg(
+        source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
+        refill_threshold=cfg.refill_threshold, seed=cfg.seed,
+    )  # fmt: skip
+    policy, embedding = ChunkPolicy(cfg.policy_config), HashedTextEmbedding(cfg.text_dim)
+    print(f"simstream demo: {cfg.task}, {cfg.num_workers} producers, buffer {cfg.buffer_size} episodes -> "
+          f"{run_dir}", flush=True)  # fmt: skip
+    writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    try:
+        engine = OnlineDataEngine(engine_cfg)
+        try:
+            startup_s = start_with_progress(
+                engine, cfg.buffer_size, timeout_s=engine_cfg.initialization_timeout
+            )
+            fit_normalizer(
+                engine,
+                policy,
+                InstructionTable(engine.language_registry, embedding),
+                torch.Generator().manual_seed(cfg.seed),
+            )
+            print(f"training started: {cfg.steps} steps of {cfg.batch_size} contexts "
+                  f"(history {cfg.history}, chunk {cfg.horizon})", flush=True)  # fmt: skip
+            log = train_policy(
+                engine, policy, embedding, cfg, deadline=began + cfg.time_limit_s, writer=writer
+            )
+            stats = engine.get_stats()
+        finally:
+            engine.stop()
+        checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
+        result, eval_s = _final_eval(checkpoint, cfg.eval_episodes)
+        writer.add_scalar("eval/final_success_rate", result.success_rate, log.steps_done)
+    finally:
+        writer.close()
+    checkpoint.info = {"steps": log.steps_done, "success_rate": result.success_rate, "run": name}
+    checkpoint_path = save_checkpoint(run_dir / "checkpoint.pt", checkpoint)
+    summary = _summary(cfg, name, run_dir, result, log, stats)
+    summary.update(startup_time_s=startup_s, eval_time_s=eval_s, checkpoint=str(checkpoint_path))
+    final = summary["final_eval"]
+    plots = write_plots(run_dir, log.as_dict(), final)
+    summary["plots"] = [str(path) for path in plots]
+    summary["report"] = str(run_dir / "report.md")
+    summary["total_time_s"] = time.monotonic() - began
+    write_report(run_dir, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "training_log.json").write_text(json.dumps(log.as_dict()))
+    return summary
+
+
+def _summary(
+    cfg: DemoConfig, name: str, run_dir: Path, result: EvalResult, log: TrainingLog, stats: dict[str, Any]
+) -> dict[str, Any]:
+    """The numbers of ``summary.json`` that the run's stages produced."""
+    final = {
+        "success_rate": result.success_rate,
+        "successes": int(sum(result.successes)),
+        "episodes": len(result.seeds),
+        "mean_length": sum(result.lengths) / max(1, len(result.lengths)),
+        "seeds": [result.seeds[0], result.seeds[-1]],
+    }
+    losses = [item[2] for item in log.loss[-200:]]
+    return {
+        "name": name,
+        "task": cfg.task,
+        "quick": cfg.quick,
+        "success_rate": result.success_rate,
+        "final_eval": final,
+        "steps_done": log.steps_done,
+        "stopped_early": log.stopped_early,
+        "final_loss": sum(losses) / max(1, len(losses)),
+        "train_time_s": log.train_time_s,
+        "stream": _stream_summary(log, stats),
+        "evals_during_training": log.evals,
+        "tensorboard": str(run_dir / "tensorboard"),
+        "machine": _machine(),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()},
+    }

@@ -1,0 +1,172 @@
+"""The demo's report: PNG plots of one run and a ``report.md`` that shows them with the numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PLOTS", "write_plots", "write_report"]
+
+PLOTS = ("overview.png", "loss.png", "success.png", "throughput.png", "generations.png")
+"""Files :func:`write_plots` creates in the run folder."""
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _draw_loss(ax, log: dict[str, Any]) -> None:
+    steps = [item[0] for item in log["loss"]]
+    losses = [item[2] for item in log["loss"]]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.6, label="per step")
+    ax.plot(steps, _smooth(losses, max(1, len(losses) // 100)), color="tab:blue", label="smoothed")
+    ax.set_yscale("log")
+    ax.set(xlabel="gradient step", ylabel="masked chunk MSE (normalised)", title="Training loss")
+    ax.legend(loc="upper right")
+
+
+def _draw_success(ax, log: dict[str, Any], final: dict[str, Any]) -> None:
+    evals = log["evals"]
+    if evals:
+        ax.plot([e["step"] for e in evals], [100 * e["success_rate"] for e in evals], "o-", label="check")
+    ax.plot([log["steps_done"]], [100 * final["success_rate"]], "*", markersize=14, color="tab:red",
+            label=f"final: {final['successes']}/{final['episodes']}")  # fmt: skip
+    ax.axhline(80, color="grey", linestyle=":", linewidth=1, label="target 80%")
+    ax.set_ylim(-3, 103)
+    ax.set(xlabel="gradient step", ylabel="closed-loop success (%)", title="Success rate over training")
+    ax.legend(loc="lower right")
+
+
+def _draw_throughput(ax, log: dict[str, Any]) -> None:
+    stream = log["stream"]
+    times = [s["time_s"] for s in stream]
+    ax.plot(times, [s["samples_per_s"] for s in stream], color="tab:green", label="contexts sampled / s")
+    ax.set(xlabel="training time (s)", ylabel="contexts / s", title="Streaming throughput")
+    twin = ax.twinx()
+    twin.plot(
+        times, [s["fresh_episodes_per_s"] for s in stream], color="tab:orange", label="fresh episodes / s"
+    )
+    twin.set_ylabel("fresh episodes / s")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.set_ylim(bottom=0)
+    twin.set_ylim(bottom=0)
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower left", framealpha=0.9)
+
+
+def _draw_generations(ax, log: dict[str, Any]) -> None:
+    stream = log["stream"]
+    times = [s["time_s"] for s in stream]
+    ax.step(times, [s["completed_generation"] for s in stream], where="post", color="tab:purple",
+            label="completed generation")  # fmt: skip
+    ax.set(xlabel="training time (s)", ylabel="buffer generation", title="Buffer generations")
+    twin = ax.twinx()
+    twin.plot(
+        times, [s["successful_episodes"] for s in stream], color="tab:brown", label="episodes published"
+    )
+    twin.set_ylabel("episodes published (total)")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower right", framealpha=0.9)
+
+
+def write_plots(run_dir: Path, log: dict[str, Any], final: dict[str, Any]) -> list[Path]:
+    """Write :data:`PLOTS` into ``run_dir``: four single plots and a 2x2 overview; returns their paths.
+
+    Args:
+        run_dir: The run folder.
+        log: ``TrainingLog.as_dict()``.
+        final: ``{"success_rate", "successes", "episodes"}`` of the final evaluation.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI backend
+    import matplotlib.pyplot as plt
+
+    draws = {
+        "loss.png": lambda ax: _draw_loss(ax, log),
+        "success.png": lambda ax: _draw_success(ax, log, final),
+        "throughput.png": lambda ax: _draw_throughput(ax, log),
+        "generations.png": lambda ax: _draw_generations(ax, log),
+    }
+    paths = []
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for ax, draw in zip(axes.flat, draws.values()):
+        draw(ax)
+    fig.suptitle(
+        f"simstream demo: behaviour cloning from a live stream — {final['success_rate']:.0%} success"
+    )
+    fig.tight_layout()
+    paths.append(run_dir / "overview.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    for name, draw in draws.items():
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        draw(ax)
+        fig.tight_layout()
+        paths.append(run_dir / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Write ``run_dir/report.md`` from the run's summary (the same dict as ``summary.json``)."""
+    final, stream, cfg = summary["final_eval"], summary["stream"], summary["config"]
+    lines = [
+        f"# simstream demo — `{summary['name']}`",
+        "",
+        f"Behaviour cloning on **{summary['task']}**, trained from episodes that {cfg['num_workers']} "
+        "producer processes streamed live from MuJoCo with a scripted expert (no dataset on disk).",
+        "",
+        "| result | value |",
+        "|---|---|",
+        f"| closed-loop success (final, seeded) | **{final['success_rate']:.0%}** "
+        f"({final['successes']}/{final['episodes']} episodes) |",
+        f"| mean episode length (steps at 20 Hz) | {final['mean_length']:.1f} |",
+        f"| gradient steps | {summary['steps_done']} of {cfg['steps']}"
+        + (" (stopped by the time limit)" if summary["stopped_early"] else "")
+        + " |",
+        f"| final loss (smoothed) | {summary['final_loss']:.4f} |",
+        f"| wall time: total / training / final eval | {summary['total_time_s']:.0f} s / "
+        f"{summary['train_time_s']:.0f} s / {summary['eval_time_s']:.0f} s |",
+        f"| first generation ready after | {summary['startup_time_s']:.1f} s |",
+        f"| expert episodes published during the run | {stream['successful_episodes']} |",
+        f"| buffer generations completed | {stream['completed_generation']} |",
+        f"| contexts sampled | {stream['sampled_chunks']} ({stream['mean_samples_per_s']:.0f}/s; "
+        f"fresh episodes {stream['mean_fresh_episodes_per_s']:.1f}/s) |",
+        f"| machine | {summary['machine']} |",
+        "",
+        "![overview](overview.png)",
+        "",
+        "## Plots",
+        "",
+        "- [loss.png](loss.png): masked chunk loss per step",
+        "- [success.png](success.png): closed-loop success at checks during training "
+        f"({cfg['eval_episodes_during']} episodes each) and the final evaluation",
+        "- [throughput.png](throughput.png): contexts sampled per second and fresh episodes per second",
+        "- [generations.png](generations.png): buffer generations and episodes published over time",
+        "",
+        "## Reproduce",
+        "",
+        "```bash",
+        f"simstream eval {summary['checkpoint']} --episodes {final['episodes']}   # same seeds, same result",
+        f"simstream eval {summary['checkpoint']} --episodes 4 --video rollouts.gif",
+        f"tensorboard --logdir {summary['tensorboard']}",
+        "```",
+        "",
+        "## Settings",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *[f"| `{key}` | `{value}` |" for key, value in cfg.items()],
+        "",
+    ]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,94 @@
+"""A small deterministic text embedding: hashed bag of words (and word pairs) of an instruction.
+
+No vocabulary, no download, no training: the embedding of a text is a pure function of the text and the
+two settings stored with every checkpoint (``dim``, ``ngram``), so a policy conditioned on it can be
+reloaded in any process and reads instructions it never saw during training the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["HashedTextEmbedding", "tokenize"]
+
+_TOKEN = re.compile(r"[a-z0-9]+")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case alphanumeric words: ``"Pick up the RED cube!"`` -> ``[pick, up, the, red, cube]``."""
+    return _TOKEN.findall(text.lower())
+
+
+def _bucket(feature: str, dim: int) -> tuple[int, float]:
+    # blake2b, not hash(): Python salts str hashes per process, which would change the embedding.
+    digest = int.from_bytes(hashlib.blake2b(feature.encode("utf-8"), digest_size=8).digest(), "little")
+    return digest % dim, (1.0 if (digest >> 63) & 1 else -1.0)
+
+
+class HashedTextEmbedding:
+    """Maps instruction texts to unit vectors ``float32 [dim]`` by signed feature hashing.
+
+    Every word and (with ``ngram=2``) every pair of adjacent words adds ``±1`` to one of ``dim`` buckets,
+    bucket and sign drawn from an unkeyed BLAKE2b digest of the feature; the sum is L2-normalised:
+
+        e(text) = v / ||v||,  v = sum_f sign(f) * onehot(bucket(f))
+
+    Owns a per-text cache only. Pure function of ``(text, dim, ngram)``.
+
+    Args:
+        dim: Embedding width (>= 8).
+        ngram: 1 for words only, 2 to add adjacent word pairs (word order matters then).
+
+    Raises:
+        ValueError: naming the argument when it is out of range.
+
+    Examples:
+        >>> embed = HashedTextEmbedding(dim=64)
+        >>> embed(["pick up the red cube"]).shape
+        torch.Size([1, 64])
+    """
+
+    def __init__(self, dim: int = 64, ngram: int = 2) -> None:
+        if type(dim) is not int or dim < 8:
+            raise ValueError(f"HashedTextEmbedding.dim must be an int >= 8, got {dim!r}")
+        if ngram not in (1, 2):
+            raise ValueError(f"HashedTextEmbedding.ngram must be 1 or 2, got {ngram!r}")
+        self.dim = dim
+        self.ngram = ngram
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, int]:
+        """The settings that define the embedding (stored with a checkpoint)."""
+        return {"dim": self.dim, "ngram": self.ngram}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, int]) -> HashedTextEmbedding:
+        """Rebuild the embedding saved by :meth:`state_dict`."""
+        return cls(dim=int(state["dim"]), ngram=int(state["ngram"]))
+
+    def embed_one(self, text: str) -> torch.Tensor:
+        """The embedding of one text (cached)."""
+        cached = self._cache.get(text)
+        if cached is not None:
+            return cached
+        words = tokenize(text)
+        features = words + ([f"{a} {b}" for a, b in itertools.pairwise(words)] if self.ngram == 2 else [])
+        vector = torch.zeros(self.dim)
+        for feature in features:
+            index, sign = _bucket(feature, self.dim)
+            vector[index] += sign
+        norm = vector.norm()
+        vector = vector / norm if norm > 0 else vector
+        self._cache[text] = vector
+        return vector
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        """Embeddings ``float32 [len(texts), dim]``."""
+        if not texts:
+            return torch.zeros(0, self.dim)
+        return torch.stack([self.embed_one(text) for text in texts])

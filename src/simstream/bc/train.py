@@ -1,0 +1,212 @@
+"""The training loop: sample contexts from the live stream, fit the chunk policy, check it closed-loop.
+
+The loop reads the engine while its producers keep refilling the buffer, so every metric that says how
+fresh the data is (episodes published, generations, sampled contexts) is read from ``engine.get_stats()``
+as training goes and kept in :class:`TrainingLog` for the report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from .config import DemoConfig
+from .data import InstructionTable, context_batch
+from .evaluate import eval_seeds, evaluate_policy
+from .policy import ChunkPolicy, masked_chunk_loss
+from .text import HashedTextEmbedding
+
+if TYPE_CHECKING:
+    from simstream import OnlineDataEngine
+
+__all__ = ["DURING_TRAINING_SEED_OFFSET", "TrainingLog", "fit_normalizer", "learning_rate", "train_policy"]
+
+DURING_TRAINING_SEED_OFFSET = 10_000
+"""Checks during training use ``eval_seeds(n, offset=10_000)``: disjoint from the final evaluation."""
+_STREAM_EVERY_S = 2.0
+
+
+@dataclass
+class TrainingLog:
+    """Time series of one run (``time_s`` counts from the start of training)."""
+
+    loss: list[tuple[int, float, float]] = field(default_factory=list)
+    """``(step, time_s, loss)`` per step."""
+    evals: list[dict[str, float]] = field(default_factory=list)
+    """``{step, time_s, success_rate, episodes}`` per closed-loop check."""
+    stream: list[dict[str, float]] = field(default_factory=list)
+    """``{time_s, step, samples_per_s, fresh_episodes_per_s, successful_episodes, completed_generation,
+    sampled_chunks}`` every ~2 s."""
+    steps_done: int = 0
+    train_time_s: float = 0.0
+    stopped_early: bool = False
+    """Whether ``time_limit_s`` ended training before ``steps``."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready copy."""
+        return {
+            "loss": [list(item) for item in self.loss],
+            "evals": list(self.evals),
+            "stream": list(self.stream),
+            "steps_done": self.steps_done,
+            "train_time_s": self.train_time_s,
+            "stopped_early": self.stopped_early,
+        }
+
+
+def fit_normalizer(
+    engine: OnlineDataEngine, policy: ChunkPolicy, instructions: InstructionTable, generator: torch.Generator
+) -> int:
+    """Fit the policy's normalisation on 8192 contexts of the first generation; returns the count."""
+    config = policy.config
+    batch = engine.sample_batch_with_context(8192, config.history, config.horizon, generator=generator)
+    data = context_batch(batch, config.history, instructions)
+    policy.fit_normalizer(data.features, data.history_mask, data.targets, data.loss_mask)
+    return len(data)
+
+
+def learning_rate(peak: float, progress: float) -> float:
+    """Linear warm-up over the first 5% of training, then cosine decay to 0 at ``progress = 1``.
+
+    ``progress`` is the larger of the step fraction and the time fraction of the training budget, so a run
+    cut short by ``time_limit_s`` still ends annealed instead of at a high learning rate.
+    """
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < 0.05:
+        return peak * (progress + 0.002) / 0.052
+    return peak * 0.5 * (1.0 + math.cos(math.pi * (progress - 0.05) / 0.95))
+
+
+class _StreamMeter:
+    """Samples/s and fresh episodes/s over the last window, read from the engine's counters."""
+
+    def __init__(self, engine: OnlineDataEngine, batch_size: int) -> None:
+        self.engine, self.batch_size = engine, batch_size
+        self.began = self.last_time = time.monotonic()
+        self.last_step, self.last_episodes = 0, engine.get_stats()["successful_episodes"]
+
+    def read(self, step: int) -> dict[str, float]:
+        now, stats = time.monotonic(), self.engine.get_stats()
+        elapsed = max(now - self.last_time, 1e-9)
+        record = {
+            "time_s": now - self.began,
+            "step": step,
+            "samples_per_s": (step - self.last_step) * self.batch_size / elapsed,
+            "fresh_episodes_per_s": (stats["successful_episodes"] - self.last_episodes) / elapsed,
+            "successful_episodes": stats["successful_episodes"],
+            "completed_generation": stats["completed_generation"],
+            "sampled_chunks": stats["sampled_chunks"],
+        }
+        self.last_time, self.last_step, self.last_episodes = now, step, stats["successful_episodes"]
+        return record
+
+
+def train_policy(
+    engine: OnlineDataEngine,
+    policy: ChunkPolicy,
+    embedding: HashedTextEmbedding,
+    cfg: DemoConfig,
+    *,
+    deadline: float,
+    writer: Any = None,
+) -> TrainingLog:
+    """Train ``policy`` (normalisation already fitted) on contexts sampled from the running ``engine``.
+
+    Args:
+        engine: A READY engine streaming ``cfg.task``.
+        policy: The policy to train in place.
+        embedding: Instruction embedding (shared with evaluation and the checkpoint).
+        cfg: Steps, batch size, learning rate, evaluation schedule.
+        deadline: ``time.monotonic()`` after which training stops early (``log.stopped_early``).
+        writer: Optional TensorBoard ``SummaryWriter``.
+
+    Returns:
+        The loss, stream and closed-loop success time series.
+    """
+    config = policy.config
+    instructions = InstructionTable(engine.language_registry, embedding)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
+    began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
+    budget_s = max(deadline - began, 1e-3)
+    rates = {"samples_per_s": 0.0, "fresh_episodes_per_s": 0.0}
+    bar = tqdm(total=cfg.steps, desc="training", unit="step", dynamic_ncols=True)
+    try:
+        for step in range(1, cfg.steps + 1):
+            policy.train()
+            progress = max((step - 1) / cfg.steps, (time.monotonic() - began) / budget_s)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(cfg.lr, progress)
+            batch = engine.sample_batch_with_context(
+                cfg.batch_size, config.history, config.horizon, generator=generator
+            )
+            data = context_batch(batch, config.history, instructions)
+            prediction = policy(data.features, data.history_mask, data.text)
+            loss = masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            optimizer.step()
+            value = loss.item()
+            ema = value if math.isnan(ema) else 0.98 * ema + 0.02 * value
+            now = time.monotonic()
+            log.loss.append((step, now - began, value))
+            log.steps_done = step
+            if writer is not None and step % 10 == 0:
+                writer.add_scalar("train/loss", value, step)
+                writer.add_scalar("train/lr", optimizer.param_groups[0]["lr"], step)
+            if now >= next_stream:
+                record = meter.read(step)
+                record["time_s"] = now - began
+                log.stream.append(record)
+                rates = record
+                next_stream = now + _STREAM_EVERY_S
+                if writer is not None:
+                    for key in ("samples_per_s", "fresh_episodes_per_s", "completed_generation"):
+                        writer.add_scalar(f"stream/{key}", record[key], step)
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(
+                    loss=f"{ema:.4f}",
+                    samples_s=f"{rates['samples_per_s']:.0f}",
+                    fresh_eps_s=f"{rates['fresh_episodes_per_s']:.1f}",
+                    refresh=False,
+                )
+            if cfg.eval_episodes_during and (step % cfg.eval_every == 0 or step == cfg.steps):
+                _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
+            if time.monotonic() >= deadline and step < cfg.steps:
+                log.stopped_early = True
+                if cfg.eval_episodes_during and step % cfg.eval_every != 0:
+                    _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
+                break
+    finally:
+        bar.close()
+        log.train_time_s = time.monotonic() - began
+    return log
+
+
+def _check(
+    policy: ChunkPolicy,
+    embedding: HashedTextEmbedding,
+    cfg: DemoConfig,
+    log: TrainingLog,
+    step: int,
+    time_s: float,
+    writer: Any,
+) -> None:
+    """One closed-loop check during training, with its own transient progress bar."""
+    seeds = eval_seeds(cfg.eval_episodes_during, offset=DURING_TRAINING_SEED_OFFSET)
+    with tqdm(total=len(seeds), desc=f"  check @ step {step}", unit="ep", leave=False) as bar:
+        result = evaluate_policy(policy, embedding, cfg.task, seeds, cfg.rollout_config, on_step=bar.update)
+    log.evals.append(
+        {"step": step, "time_s": time_s, "success_rate": result.success_rate, "episodes": len(seeds)}
+    )
+    tqdm.write(f"step {step}: closed-loop success {result.success_rate:.0%} over {len(seeds)} episodes")
+    if writer is not None:
+        writer.add_scalar("eval/success_rate", result.success_rate, step)

@@ -1,0 +1,145 @@
+"""``simstream eval CHECKPOINT``: re-evaluate a demo policy in seeded episodes; optionally save a video."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+__all__ = ["EvalArgs", "main", "run_eval"]
+
+
+@dataclass(frozen=True)
+class EvalArgs:
+    """Run a checkpoint written by ``simstream demo`` closed-loop; by default on the demo's final seeds."""
+
+    checkpoint: Annotated[Path, tyro.conf.Positional]
+    """``checkpoint.pt`` of a demo run (``runs/<name>/checkpoint.pt``)."""
+    episodes: int = 50
+    """Seeded evaluation episodes (the demo's final evaluation uses the same first seeds)."""
+    seed_offset: int = 0
+    """Shift the evaluation seeds (``0``: the demo's seeds; anything else: episodes it never saw)."""
+    video: Path | None = None
+    """Write rollouts of the first ``--video-episodes`` episodes to this ``.gif`` (or ``.mp4``, which needs
+    the ``imageio-ffmpeg`` package)."""
+    video_episodes: int = 2
+    """Episodes rendered into the video, one after the other."""
+    image_size: int = 160
+    """Side of the rendered video frames (front camera)."""
+    fps: int = 20
+    """Frames per second of the video (20 = real time)."""
+    execute_steps: int | None = None
+    """Override the checkpoint's actions executed per predicted chunk."""
+    ensemble_decay: float | None = None
+    """Override: temporal ensembling with this decay instead of chunk execution."""
+    json_out: Path | None = None
+    """Also write the per-episode results to this JSON file."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1), ("image_size", 16)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"EvalArgs.{name} must be an int >= {low}, got {value!r}")
+        if type(self.seed_offset) is not int or self.seed_offset < 0:
+            raise ValueError(f"EvalArgs.seed_offset must be an int >= 0, got {self.seed_offset!r}")
+        if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
+            raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
+
+
+def write_video(path: Path, episodes: list[list], fps: int) -> Path:
+    """Write the frames (``[H, W, 3]`` uint8) of the episodes one after the other as a GIF or MP4."""
+    import imageio.v3 as iio
+    import numpy as np
+
+    frames = [frame for episode in episodes for frame in episode]
+    if not frames:
+        raise ValueError("no frames were recorded")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".gif":
+        iio.imwrite(path, np.stack(frames), duration=1000 / fps, loop=0)
+        return path
+    try:
+        iio.imwrite(path, np.stack(frames), fps=fps, codec="libx264")
+    except Exception as error:
+        raise RuntimeError(
+            f"cannot write {str(path)!r}: {error}. MP4 needs `pip install imageio-ffmpeg`; "
+            "a .gif needs nothing"
+        ) from error
+    return path
+
+
+def run_eval(args: EvalArgs) -> dict:
+    """Evaluate; returns the summary that is printed (and written with ``--json-out``)."""
+    from tqdm import tqdm
+
+    from simstream.bc import RolloutConfig, eval_seeds, evaluate_policy, load_checkpoint
+
+    checkpoint = load_checkpoint(args.checkpoint)
+    rollout = checkpoint.rollout
+    if args.execute_steps is not None or args.ensemble_decay is not None:
+        rollout = dataclasses.replace(
+            rollout,
+            execute_steps=args.execute_steps or rollout.execute_steps,
+            # an explicit --execute-steps means chunk execution unless --ensemble-decay is given too
+            ensemble_decay=args.ensemble_decay,
+        )
+    RolloutConfig(**dataclasses.asdict(rollout))  # validate the overrides
+    seeds = eval_seeds(args.episodes, offset=args.seed_offset)
+    record = 0 if args.video is None else min(args.video_episodes, args.episodes)
+    began = time.monotonic()
+    with tqdm(total=len(seeds), desc=f"evaluating {checkpoint.task}", unit="ep", dynamic_ncols=True) as bar:
+        result = evaluate_policy(
+            checkpoint.policy, checkpoint.embedding, checkpoint.task, seeds, rollout,
+            record=record, image_size=args.image_size, on_step=bar.update,
+        )  # fmt: skip
+    summary = {
+        "checkpoint": str(args.checkpoint),
+        "task": checkpoint.task,
+        "success_rate": result.success_rate,
+        "successes": int(sum(result.successes)),
+        "episodes": len(seeds),
+        "seeds": seeds,
+        "episode_success": result.successes,
+        "episode_length": result.lengths,
+        "rollout": dataclasses.asdict(rollout),
+        "eval_time_s": time.monotonic() - began,
+    }
+    if args.video is not None:
+        summary["video"] = str(write_video(args.video, result.frames, args.fps))
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    """``simstream eval``; returns the exit code (0 done, 2 bad option or checkpoint, 1 other failure)."""
+    try:
+        args = tyro.cli(EvalArgs, args=argv, prog="simstream eval")
+        summary = run_eval(args)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"simstream eval: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nsimstream eval: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        print(f"simstream eval: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    mean_length = sum(summary["episode_length"]) / len(summary["episode_length"])
+    print(
+        f"{summary['task']}: success {summary['success_rate']:.0%} "
+        f"({summary['successes']}/{summary['episodes']} seeded episodes, mean length {mean_length:.0f} "
+        f"steps) in {summary['eval_time_s']:.0f} s"
+    )
+    if "video" in summary:
+        print(f"video: {summary['video']}")
+    return 0

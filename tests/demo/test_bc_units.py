@@ -1,0 +1,244 @@
+"""Pure unit tests of the behaviour-cloning pieces: embedding, loss masking, policy, batches, checkpoint."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from simstream.bc import (
+    ChunkPolicy,
+    DemoConfig,
+    HashedTextEmbedding,
+    PolicyConfig,
+    RolloutConfig,
+    load_checkpoint,
+    masked_chunk_loss,
+    observation_features,
+    save_checkpoint,
+)
+from simstream.bc.checkpoint import PolicyCheckpoint
+from simstream.bc.data import InstructionTable, context_batch
+from simstream.bc.evaluate import _ChunkExecutor
+from simstream.bc.policy import FEATURE_DIM, absolute_actions, relative_actions
+from simstream.bc.text import tokenize
+
+pytestmark = pytest.mark.timeout(60)
+
+RED = "pick up the red cube and place it in the bin"
+BLUE = "pick up the blue cube and place it in the bin"
+
+
+# ---------------------------------------------------------------------------------------- text embedding
+def test_tokenize_lowercases_and_drops_punctuation():
+    assert tokenize("Pick the RED cube, now!") == ["pick", "the", "red", "cube", "now"]
+
+
+def test_embedding_is_unit_norm_and_tells_colours_apart():
+    embed = HashedTextEmbedding(64)
+    vectors = embed([RED, BLUE, RED])
+    assert vectors.shape == (3, 64)
+    torch.testing.assert_close(vectors.norm(dim=1), torch.ones(3))
+    assert torch.equal(vectors[0], vectors[2])
+    assert (vectors[0] - vectors[1]).abs().sum() > 0.5
+
+
+def test_embedding_is_the_same_in_another_process():
+    # str hashes are salted per process: the embedding must not depend on them
+    code = (
+        "from simstream.bc.text import HashedTextEmbedding; "
+        f"print(HashedTextEmbedding(32).embed_one({RED!r}).tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    other = torch.tensor(eval(out.stdout))
+    torch.testing.assert_close(other, HashedTextEmbedding(32).embed_one(RED))
+
+
+def test_embedding_settings_round_trip_and_validate():
+    embed = HashedTextEmbedding(dim=48, ngram=1)
+    again = HashedTextEmbedding.from_state_dict(embed.state_dict())
+    assert torch.equal(again([RED]), embed([RED]))
+    with pytest.raises(ValueError, match=r"HashedTextEmbedding\.dim must be an int >= 8, got 4"):
+        HashedTextEmbedding(4)
+
+
+# ---------------------------------------------------------------------------------------- loss masking
+def test_loss_ignores_padded_targets_whatever_they_hold():
+    prediction = torch.zeros(2, 3, 8)
+    target = torch.ones(2, 3, 8)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    target[~mask] = float("nan")  # padding must not even reach the arithmetic
+    loss = masked_chunk_loss(prediction, target, mask)
+    assert loss.item() == pytest.approx(1.0)  # every valid step has squared error 1
+
+    target = torch.zeros(2, 3, 8)
+    target[0, 0] = 2.0  # error 4 on one of three valid steps
+    target[~mask] = 1e6
+    assert masked_chunk_loss(prediction, target, mask).item() == pytest.approx(4.0 / 3.0)
+
+
+def test_loss_gradient_is_zero_on_padded_steps():
+    prediction = torch.randn(1, 4, 8, requires_grad=True)
+    mask = torch.tensor([[True, True, False, False]])
+    masked_chunk_loss(prediction, torch.randn(1, 4, 8), mask).backward()
+    assert prediction.grad[0, 2:].abs().max() == 0
+    assert prediction.grad[0, :2].abs().max() > 0
+
+
+def test_loss_of_an_all_padded_batch_is_zero_not_nan():
+    loss = masked_chunk_loss(torch.ones(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(2, 3, dtype=torch.bool))
+    assert loss.item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------- policy
+def test_features_append_cube_offsets_from_the_gripper():
+    state, objects = torch.zeros(23), torch.zeros(21)
+    state[16:19] = torch.tensor([0.1, 0.2, 0.3])
+    objects[7:10] = torch.tensor([0.5, 0.5, 0.5])  # the second cube
+    features = observation_features(state, objects)
+    assert features.shape == (FEATURE_DIM,)
+    torch.testing.assert_close(features[-6:-3], torch.tensor([0.4, 0.3, 0.2]))
+
+
+def test_relative_and_absolute_actions_are_inverse():
+    actions, anchor = torch.randn(4, 6, 8), torch.randn(4, 23)
+    relative = relative_actions(actions, anchor)
+    torch.testing.assert_close(relative[..., 7], actions[..., 7])  # gripper stays absolute
+    torch.testing.assert_close(absolute_actions(relative, anchor), actions)
+
+
+def test_policy_output_ignores_padded_history_frames():
+    torch.manual_seed(0)
+    policy = ChunkPolicy(PolicyConfig(history=3, horizon=5, hidden=32, layers=2, text_dim=16))
+    features, text = torch.randn(2, 3, FEATURE_DIM), torch.randn(2, 16)
+    mask = torch.tensor([[False, True, True], [True, True, True]])
+    out = policy(features, mask, text)
+    assert out.shape == (2, 5, 8)
+    features[0, 0] = 1e3  # a padded frame: its content must not matter
+    torch.testing.assert_close(policy(features, mask, text)[0], out[0])
+
+
+def test_normalizer_uses_valid_frames_and_targets_only():
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=2, hidden=16, layers=1, text_dim=8))
+    features = torch.ones(4, 2, FEATURE_DIM)
+    valid = torch.tensor([[False, True]] * 4)
+    features[:, 0] = 1e6  # invalid history frames
+    targets = torch.ones(4, 2, 8)
+    loss_mask = torch.tensor([[True, False]] * 4)
+    targets[:, 1] = -1e6  # padded targets
+    policy.fit_normalizer(features, valid, targets, loss_mask)
+    torch.testing.assert_close(policy.feature_mean, torch.ones(FEATURE_DIM))
+    torch.testing.assert_close(policy.target_mean[0], torch.ones(8))
+    assert policy.target_std.min() >= 1e-3
+
+
+@pytest.mark.parametrize("name,value", [("history", 0), ("horizon", 0), ("hidden", 2), ("layers", 0)])
+def test_policy_config_names_the_bad_field(name, value):
+    with pytest.raises(ValueError, match=f"PolicyConfig.{name} must be an int >= "):
+        PolicyConfig(**{name: value})
+
+
+# ---------------------------------------------------------------------------------------- batches
+class _Registry:
+    texts = (RED, BLUE)
+
+    def resolve(self, indices, *, kind="task"):
+        assert kind == "task"
+        return [self.texts[i] for i in indices.tolist()]
+
+
+def test_context_batch_splits_history_and_targets_at_the_anchor():
+    history, width = 2, 4  # horizon F = 3: width = H + F - 1
+    state = torch.arange(2 * width, dtype=torch.float32).view(2, width, 1).expand(2, width, 23).clone()
+    valid = torch.tensor([[False, True, True, True], [True, True, True, False]])
+    batch = TensorDict(
+        {
+            "obs": {"state": state * valid[..., None], "objects": torch.zeros(2, width, 21)},
+            "actions": torch.full((2, width, 8), 10.0) * valid[..., None],
+            "valid": valid,
+            "loss_mask": valid & (torch.arange(width) >= history - 1),
+            "task_index": torch.tensor([[-1, 1, 1, 1], [0, 0, 0, -1]]),
+        },
+        batch_size=[2, width],
+    )
+    data = context_batch(batch, history, InstructionTable(_Registry(), HashedTextEmbedding(16)))
+    assert data.features.shape == (2, history, FEATURE_DIM)
+    assert data.history_mask.tolist() == [[False, True], [True, True]]
+    assert data.loss_mask.tolist() == [[True, True, True], [True, True, False]]
+    # joints relative to the anchor state (index 1): anchor values 1 and 5
+    assert data.targets[0, :, 0].tolist() == [9.0, 9.0, 9.0]
+    assert data.targets[1, :2, 0].tolist() == [5.0, 5.0]
+    torch.testing.assert_close(data.text, HashedTextEmbedding(16)([BLUE, RED]))
+
+
+# ---------------------------------------------------------------------------------------- execution
+def test_receding_horizon_plays_the_first_steps_then_asks_again():
+    executor = _ChunkExecutor(1, 4, RolloutConfig(ensemble_decay=None, execute_steps=2))
+    chunk = torch.arange(4.0)[:, None].expand(4, 8).numpy()
+    assert executor.needs_plan(0)
+    executor.add_plan(0, chunk)
+    assert executor.pop(0)[0] == 0 and not executor.needs_plan(0)
+    assert executor.pop(0)[0] == 1 and executor.needs_plan(0)
+
+
+def test_temporal_ensembling_blends_overlapping_chunks():
+    executor = _ChunkExecutor(1, 3, RolloutConfig(ensemble_decay=0.0))
+    executor.add_plan(0, torch.zeros(3, 8).numpy())
+    assert executor.pop(0)[0] == 0.0
+    executor.add_plan(0, torch.ones(3, 8).numpy())
+    assert executor.pop(0)[0] == pytest.approx(0.5)  # old chunk's step 1 and new chunk's step 0
+
+
+def test_temporal_ensembling_decay_trusts_older_chunks():
+    executor = _ChunkExecutor(1, 3, RolloutConfig(ensemble_decay=math.log(3.0)))
+    executor.add_plan(0, torch.zeros(3, 8).numpy())
+    executor.pop(0)
+    executor.add_plan(0, torch.ones(3, 8).numpy())
+    assert executor.pop(0)[0] == pytest.approx(0.25)  # weights 1 (old, value 0) and 1/3 (new, value 1)
+
+
+# ---------------------------------------------------------------------------------------- checkpoint, config
+def test_checkpoint_round_trip(tmp_path):
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    embed = HashedTextEmbedding(8)
+    path = save_checkpoint(
+        tmp_path / "c.pt", PolicyCheckpoint(policy, embed, "pick_place", RolloutConfig(execute_steps=3))
+    )
+    loaded = load_checkpoint(path)
+    assert loaded.task == "pick_place" and loaded.rollout.execute_steps == 3
+    features, mask = torch.randn(1, 2, FEATURE_DIM), torch.ones(1, 2, dtype=torch.bool)
+    torch.testing.assert_close(
+        loaded.policy.act(features, mask, embed([RED])), policy.act(features, mask, embed([RED]))
+    )
+
+
+def test_load_checkpoint_rejects_other_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a simstream policy checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"steps": 0}, "DemoConfig.steps must be an int >= 1, got 0"),
+        ({"lr": -1.0}, "DemoConfig.lr must be a finite number > 0, got -1.0"),
+        ({"name": "a/b"}, "DemoConfig.name must be a folder name"),
+        ({"task": "nope"}, "task must be one of"),
+        ({"execute_steps": 0}, "RolloutConfig.execute_steps must be an int >= 1"),
+    ],
+)
+def test_demo_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DemoConfig(**kwargs)
+
+
+def test_quick_preset_keeps_other_settings():
+    quick = DemoConfig(seed=3).with_quick()
+    assert quick.quick and quick.seed == 3 and quick.steps < DemoConfig().steps

@@ -1,0 +1,154 @@
+"""End to end: ``simstream demo --quick``, ``eval`` on its checkpoint, ``inspect``, and Ctrl-C cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from simstream.bc.report import PLOTS
+from simstream.cli.main import main as simstream
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    """One ``demo --quick`` run shared by the tests of this module (the expensive part)."""
+    runs = tmp_path_factory.mktemp("runs")
+    assert simstream(["demo", "--quick", "--runs-dir", str(runs), "--name", "quick"]) == 0
+    return runs / "quick"
+
+
+def test_demo_quick_writes_report_plots_checkpoint_and_summary(quick_run):
+    for name in ("report.md", "summary.json", "training_log.json", "checkpoint.pt", *PLOTS):
+        path = quick_run / name
+        assert path.is_file() and path.stat().st_size > 0, name
+    assert any((quick_run / "tensorboard").glob("events.out.tfevents.*"))
+    for name in PLOTS:
+        assert (quick_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    summary = json.loads((quick_run / "summary.json").read_text())
+    final = summary["final_eval"]
+    assert summary["quick"] is True and summary["task"] == "pick_place"
+    assert final["episodes"] == summary["config"]["eval_episodes"] == 4
+    assert 0 <= final["successes"] <= final["episodes"]
+    assert summary["success_rate"] == pytest.approx(final["successes"] / final["episodes"])
+    assert summary["steps_done"] == summary["config"]["steps"] and not summary["stopped_early"]
+    assert summary["final_loss"] > 0 and summary["final_loss"] == summary["final_loss"]  # finite, not NaN
+    assert summary["stream"]["successful_episodes"] >= summary["config"]["buffer_size"]
+    assert summary["stream"]["completed_generation"] >= 1
+    assert summary["stream"]["sampled_chunks"] >= summary["steps_done"] * summary["config"]["batch_size"]
+    assert [e["step"] for e in summary["evals_during_training"]] == [75, 150]
+    assert summary["total_time_s"] < 180
+
+    report = (quick_run / "report.md").read_text()
+    assert f"({final['successes']}/{final['episodes']} episodes)" in report
+    assert "![overview](overview.png)" in report
+
+
+def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, capsys):
+    video, out = tmp_path / "rollouts.gif", tmp_path / "eval.json"
+    checkpoint = str(quick_run / "checkpoint.pt")
+    argv = ["eval", checkpoint, "--episodes", "4", "--video", str(video), "--video-episodes", "1"]
+    assert simstream([*argv, "--image-size", "48", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    demo = json.loads((quick_run / "summary.json").read_text())["final_eval"]
+    assert result["successes"] == demo["successes"]  # same seeds, same policy, same episodes
+    assert video.read_bytes()[:6] in (b"GIF87a", b"GIF89a")
+    assert "success" in capsys.readouterr().out
+
+
+def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
+    assert simstream(["eval", str(tmp_path / "nope.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_rejects_a_bad_option_with_exit_code_2(capsys):
+    assert simstream(["demo", "--steps", "0"]) == 2
+    assert "DemoConfig.steps must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys):
+    strip = tmp_path / "strip.png"
+    argv = ["inspect", "--episodes", "2", "--show", "1", "--frames", "4", "--image-size", "48"]
+    assert simstream([*argv, "--out", str(strip)]) == 0
+    assert strip.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "pick up the" in out and "reach the" in out and "place the" in out
+    assert "expert: 2/2 successful" in out and "episodes/s" in out
+
+
+# ---------------------------------------------------------------------------------------------- Ctrl-C
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``, from ``/proc/<pid>/task/*/children``."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait() is missing
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
+    stderr = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115  (closed below; tqdm writes a lot there)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "simstream", "demo", "--quick", "--steps", "100000", "--time-limit-s", "600",
+         "--runs-dir", str(tmp_path), "--name", "interrupted"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("training started"):
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(120), f"the demo never said 'training started': {lines}"
+        time.sleep(2.0)  # let training run a little: producers are busy refilling
+        children = _descendants(process.pid)
+        assert children, "the demo should run producer processes"
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        stderr.close()
+        reader.join(timeout=10)
+    assert code == 130, (tmp_path / "stderr.txt").read_text()[-2000:]
+    deadline = time.monotonic() + 15
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in children if _running(pid)]
+    assert not left, f"processes left running after Ctrl-C: {left}"
+    assert "interrupted" in (tmp_path / "stderr.txt").read_text()
