@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -58,8 +59,15 @@ class _Arena:
     storage: torch.UntypedStorage
     targets: list[torch.Tensor]
     leaves: list[torch.Tensor]
-    baseline: int
+    baseline: int = 0
     """Storage use count with only the pool's own references (storage object, targets and leaves)."""
+    py_baseline: int = 0
+    """Python references to ``storage`` held by the pool alone. torch keeps one storage object per
+    storage, so a caller's ``tensor.untyped_storage()`` is this very object: it adds a Python reference,
+    not a storage use."""
+
+    def snapshot(self) -> tuple[int, int]:
+        return _storage_use_count(self.storage), sys.getrefcount(self.storage)
 
 
 class ArenaPool:
@@ -70,11 +78,12 @@ class ArenaPool:
     first) or allocates a new one, keeping it when there is room or a free arena to evict. Thread-safe;
     after ``fork`` the child starts with an empty pool.
 
-    Freeness: the storage's reference count equals the count taken when the pool carved it (its own
-    storage object and views only). The leaves handed out are fresh aliases, so any tensor or view of a
-    batch, a NumPy array over it or a storage object raises the count; an arena that was ever moved to
-    shared memory (pickled to another process, e.g. by a ``DataLoader`` worker) is dropped, because
-    another process may still map it.
+    Freeness: the storage's use count and its storage object's Python reference count both equal those
+    taken when the pool carved it (its own storage object and views only). The leaves handed out are
+    fresh aliases, so any tensor or view of a batch or a NumPy array over it raises the use count, and a
+    caller holding the storage object raises its Python count; an arena that was ever moved to shared
+    memory (pickled to another process, e.g. by a ``DataLoader`` worker) is dropped, because another
+    process may still map it.
     """
 
     def __init__(self, max_arenas: int = 4, max_bytes: int = 1 << 30) -> None:
@@ -134,14 +143,15 @@ class ArenaPool:
             targets, leaves = carve(base)
             if full():
                 return targets, leaves
-            storage = base.untyped_storage()
+            arena = _Arena(layout, base.untyped_storage(), targets, leaves)
             del base
-            self._arenas.append(_Arena(layout, storage, targets, leaves, _storage_use_count(storage)))
+            arena.baseline, arena.py_baseline = arena.snapshot()
+            self._arenas.append(arena)
             return targets, [leaf.detach() for leaf in leaves]
 
     @staticmethod
     def _is_free(arena: _Arena) -> bool:
-        return not arena.storage.is_shared() and _storage_use_count(arena.storage) == arena.baseline
+        return not arena.storage.is_shared() and arena.snapshot() == (arena.baseline, arena.py_baseline)
 
 
 @dataclass(frozen=True)

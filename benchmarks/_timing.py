@@ -1,0 +1,178 @@
+"""Timing, tables and the machine description shared by the benchmark scripts.
+
+Rates are measured in interleaved rounds (every candidate once per round, then the next round) and
+reported as the median over rounds, so slow drift of a shared VM hits every candidate alike and the ratios
+printed by one run compare like with like.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "Rates",
+    "Table",
+    "call_rate",
+    "describe_machine",
+    "interleaved_rates",
+    "latency_ms",
+    "ratio",
+    "set_single_thread",
+]
+
+
+def set_single_thread() -> None:
+    """One intra-op thread: samplers get their parallelism from processes (see BENCHMARKS.md)."""
+    torch.set_num_threads(1)
+
+
+def call_rate(fn: Callable[[], object], seconds: float, min_calls: int = 3) -> tuple[float, float]:
+    """Calls per second of ``fn`` (wall clock) and this thread's CPU milliseconds per call.
+
+    Runs for at least ``seconds`` and ``min_calls`` calls. On a shared or oversubscribed machine the CPU
+    time shows what a call costs when it does run; the wall-clock rate is what a trainer gets.
+    """
+    calls = 0
+    began, cpu = time.perf_counter(), time.thread_time()
+    deadline = began + seconds
+    while calls < min_calls or time.perf_counter() < deadline:
+        fn()
+        calls += 1
+    return calls / (time.perf_counter() - began), (time.thread_time() - cpu) * 1e3 / calls
+
+
+@dataclass
+class Rates:
+    """Per-round rates (and CPU ms per call) of each candidate; tables print medians."""
+
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+    cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, rate: float, cpu_ms: float = float("nan")) -> None:
+        self.rounds.setdefault(name, []).append(rate)
+        self.cpu_ms.setdefault(name, []).append(cpu_ms)
+
+    def median(self, name: str) -> float:
+        values = self.rounds.get(name)
+        return statistics.median(values) if values else float("nan")
+
+    def median_cpu_ms(self, name: str) -> float:
+        values = self.cpu_ms.get(name)
+        return statistics.median(values) if values else float("nan")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.rounds
+
+
+def interleaved_rates(
+    candidates: dict[str, Callable[[], object]],
+    rounds: int,
+    seconds: float,
+    *,
+    warmup_calls: int = 2,
+    min_calls: int = 3,
+    rates: Rates | None = None,
+) -> Rates:
+    """Rates of every candidate, measured once per round in turn."""
+    rates = rates or Rates()
+    for fn in candidates.values():
+        for _ in range(warmup_calls):
+            fn()
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            rates.add(name, *call_rate(fn, seconds, min_calls))
+    return rates
+
+
+def latency_ms(fn: Callable[[], object], seconds: float, min_calls: int = 50) -> list[float]:
+    """Duration of every call of ``fn`` (milliseconds) over ``seconds``."""
+    durations = []
+    deadline = time.perf_counter() + seconds
+    while len(durations) < min_calls or time.perf_counter() < deadline:
+        began = time.perf_counter_ns()
+        fn()
+        durations.append((time.perf_counter_ns() - began) / 1e6)
+    return durations
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), nearest-rank."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator and denominator == denominator else float("nan")
+
+
+class Table:
+    """A Markdown table printed as it is built, so partial results survive an interrupted run."""
+
+    def __init__(self, title: str, columns: Sequence[str]) -> None:
+        self.columns = list(columns)
+        print(f"\n### {title}\n", flush=True)
+        print("| " + " | ".join(self.columns) + " |")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(self.columns))) + "|", flush=True)
+
+    def row(self, *cells: object) -> None:
+        print("| " + " | ".join(_format(cell) for cell in cells) + " |", flush=True)
+
+
+def _format(cell: object) -> str:
+    if isinstance(cell, float):
+        if cell != cell:
+            return "n/a"
+        if abs(cell) >= 100:
+            return f"{cell:,.0f}"
+        if abs(cell) >= 10:
+            return f"{cell:.1f}"
+        return f"{cell:.2f}"
+    return str(cell)
+
+
+def check(value: float, target: float, higher_is_better: bool = True) -> str:
+    """``met`` / ``SHORT`` verdict of a measured ratio against its target."""
+    if value != value:
+        return "n/a"
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "SHORT"
+
+
+def describe_machine() -> str:
+    """One line: CPU model, cores, memory, Python, torch, threads and the OpenMP wait policy."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        with open("/proc/meminfo") as handle:
+            total_kb = int(handle.readline().split()[1])
+        memory = f", {total_kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (
+        f"{model}, {os.cpu_count()} logical CPUs{memory}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s), "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
+    )
+
+
+def print_header(title: str, command: Iterable[str], settings: str) -> None:
+    print(f"## {title}\n")
+    print(f"command: `{' '.join(command)}`  ")
+    print(f"machine: {describe_machine()}  ")
+    print(f"settings: {settings}", flush=True)

@@ -1,0 +1,311 @@
+"""Sampling throughput and latency of the engine against TorchRL and the raw gather, in one run.
+
+Run: ``python benchmarks/sampling.py`` (or ``simstream bench sampling``); ``--quick`` is a seconds-long
+smoke configuration whose figures mean nothing. Every ratio printed compares candidates measured in the
+same run, on the same shared memory, in interleaved rounds (median of rounds).
+
+Sections: idle throughput without and with images (``sample_batch``, ``OnlineDataset`` item and batch
+mode with 0 and 2 ``DataLoader`` workers, TorchRL ``SliceSampler``, raw gather); the same while producers
+publish back to back; latency percentiles idle and under publication; per-batch cost against buffer size.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import tyro
+from torch.utils.data import DataLoader
+
+from _timing import Rates, Table, check, interleaved_rates, latency_ms, percentile, print_header, ratio
+from _timing import set_single_thread as _set_single_thread
+from _workload import (
+    ContinuousPublication,
+    RawGather,
+    Workload,
+    make_engine,
+    make_torchrl_sampler,
+    payload_keys,
+)
+from simstream.data import OnlineDataset
+
+Section = Literal["lowdim", "images", "publication", "latency", "scaling"]
+ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency", "scaling")
+
+
+@dataclass(frozen=True)
+class Args:
+    """Sampling benchmarks of issue 6 (defaults: the reference workload, about 3 minutes on 2 vCPUs)."""
+
+    sections: tuple[Section, ...] = ALL_SECTIONS
+    """Which sections to run."""
+    quick: bool = False
+    """Tiny buffers and sub-second timings: checks that every section runs, figures are meaningless."""
+    buffer_size: int = 512
+    """Episodes in the buffer (low-dim, image and publication sections)."""
+    max_steps: int = 300
+    batch_size: int = 256
+    chunk_size: int = 32
+    image_size: int = 64
+    rounds: int = 3
+    """Interleaved rounds per measurement; tables print the median."""
+    seconds: float = 0.8
+    """Time per candidate per round (image candidates get twice as long)."""
+    scaling_sizes: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    """Buffer sizes of the scaling section (low-dim)."""
+    loader_workers: int = 2
+    """``DataLoader`` workers of the multi-worker rows."""
+
+    def effective(self) -> Args:
+        if not self.quick:
+            return self
+        return replace(
+            self,
+            buffer_size=32,
+            max_steps=40,
+            batch_size=16,
+            chunk_size=8,
+            image_size=8,
+            rounds=1,
+            seconds=0.05,
+            scaling_sizes=(16, 48),
+        )
+
+
+# -- candidates ------------------------------------------------------------------------------------
+def _engine_candidates(engine, workload: Workload) -> dict[str, Callable[[], object]]:
+    b, c = workload.batch_size, workload.chunk_size
+    generator = torch.Generator().manual_seed(0)
+    reusable = engine.sample_batch(b, c, generator=generator)
+
+    def fresh() -> None:
+        engine.sample_batch(b, c, generator=generator)
+
+    def into_out() -> None:
+        engine.sample_batch(b, c, generator=generator, out=reusable)
+
+    return {"sample_batch": fresh, "sample_batch(out=)": into_out}
+
+
+def _loader(engine, workload: Workload, item_mode: bool, workers: int) -> DataLoader:
+    if item_mode:
+        dataset = OnlineDataset(engine, workload.chunk_size, seed=0)
+        return DataLoader(
+            dataset,
+            batch_size=workload.batch_size,
+            num_workers=workers,
+            collate_fn=OnlineDataset.collate_fn,
+            persistent_workers=False,
+        )
+    dataset = OnlineDataset(engine, workload.chunk_size, batch_size=workload.batch_size, seed=0)
+    return DataLoader(
+        dataset, batch_size=None, num_workers=workers, collate_fn=OnlineDataset.passthrough_collate_fn
+    )
+
+
+def _loader_rate(engine, workload: Workload, item_mode: bool, workers: int, args: Args, rates: Rates):
+    """Rounds of a ``DataLoader``; workers are started fresh per round and stopped after it."""
+    name = _loader_name(item_mode, workers)
+    seconds = args.seconds * (2 if workload.image_size else 1)
+    for _ in range(args.rounds):
+        iterator = iter(_loader(engine, workload, item_mode, workers))
+        interleaved_rates({name: lambda it=iterator: next(it)}, 1, seconds, warmup_calls=3, rates=rates)
+        del iterator
+
+
+def _loader_name(item_mode: bool, workers: int) -> str:
+    return f"OnlineDataset {'item' if item_mode else 'batch'} mode, {workers} workers"
+
+
+# -- sections --------------------------------------------------------------------------------------
+def throughput_section(args: Args, engine, workload: Workload, title: str) -> None:
+    raw = RawGather(engine, workload)
+    candidates = {"raw gather (same keys)": raw, **_engine_candidates(engine, workload)}
+    candidates["raw gather, whole-slice copies (same keys)"] = RawGather(engine, workload, windowed=True)
+    candidates["raw gather (payload keys only)"] = RawGather(engine, workload, payload_keys(engine))
+    for item_mode in (False, True):
+        iterator = iter(_loader(engine, workload, item_mode, 0))
+        candidates[_loader_name(item_mode, 0)] = lambda it=iterator: next(it)
+    torchrl = make_torchrl_sampler(engine, workload)
+    seconds = args.seconds * (2 if workload.image_size else 1)
+    rates = interleaved_rates(candidates, args.rounds, seconds)
+    if torchrl is not None:
+        # TorchRL is 20-100x slower: measured in its own rounds so it does not dominate the run time
+        interleaved_rates({"TorchRL SliceSampler": torchrl}, args.rounds, seconds, rates=rates)
+    for item_mode in (False, True):
+        _loader_rate(engine, workload, item_mode, args.loader_workers, args, rates)
+    _print_throughput(title, workload, rates, raw.bytes_per_batch, torchrl is not None, args.loader_workers)
+
+
+def _print_throughput(
+    title: str, workload: Workload, rates: Rates, nbytes: int, has_torchrl: bool, workers: int
+) -> None:
+    images = workload.image_size is not None
+    table = Table(
+        f"{title}: {workload.describe()}, {nbytes / 2**20:.1f} MiB per batch",
+        ["candidate", "batches/s", "ms/batch", "CPU ms/batch", "GB/s", "x TorchRL", "x raw gather"],
+    )
+    raw = rates.median("raw gather (same keys)")
+    torchrl = rates.median("TorchRL SliceSampler")
+    for name in rates.rounds:
+        rate = rates.median(name)
+        cpu = rates.median_cpu_ms(name)
+        table.row(name, rate, 1e3 / rate, cpu, rate * nbytes / 1e9, ratio(rate, torchrl), ratio(rate, raw))
+    print(
+        "\nCPU ms/batch: CPU time of the calling thread per batch (DataLoader rows with workers: the "
+        "trainer's share only); wall-clock rates include whatever else the machine runs."
+    )
+    if not has_torchrl:
+        print("\nTorchRL not importable: `pip install torchrl` to add the TorchRL rows.")
+    engine = rates.median("sample_batch")
+    loader0 = rates.median(_loader_name(False, 0))
+    loader2 = rates.median(_loader_name(False, workers))
+    targets = Table(f"{title}: targets", ["check", "measured", "target", "verdict"])
+    target_trl = 15.0 if images else 5.0
+    for label, value, target in (
+        ("sample_batch / TorchRL SliceSampler", ratio(engine, torchrl), target_trl),
+        ("sample_batch / raw gather (same keys)", ratio(engine, raw), 0.70),
+        ("sample_batch(out=) / raw gather (same keys)", ratio(rates.median("sample_batch(out=)"), raw), 0.70),
+    ):
+        targets.row(label, value, f">= {target:g}", check(value, target))
+    value = ratio(loader2, loader0)
+    if images:
+        targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, "report (memory bus)", "-")
+    else:
+        targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, ">= 1.5", check(value, 1.5))
+
+
+def publication_section(args: Args, engine, workload: Workload, title: str) -> None:
+    """Idle and busy rounds alternate, so the busy/idle ratios pair measurements taken close in time."""
+    candidates = {
+        "raw gather (same keys)": RawGather(engine, workload),
+        **_engine_candidates(engine, workload),
+    }
+    idle, busy = Rates(), Rates()
+    published = []
+    seconds = args.seconds * (2 if workload.image_size else 1)
+    for _ in range(args.rounds):
+        interleaved_rates(candidates, 1, seconds, rates=idle)
+        with ContinuousPublication(engine) as publication:
+            interleaved_rates(candidates, 1, seconds, rates=busy)
+        published.append(publication.episodes_per_s)
+    producer_alone = _producer_rate(engine, seconds)
+    table = Table(
+        f"{title}: {workload.describe()}",
+        ["candidate", "idle batches/s", "under publication", "busy / idle"],
+    )
+    for name in candidates:
+        table.row(name, idle.median(name), busy.median(name), ratio(busy.median(name), idle.median(name)))
+    fresh = sorted(published)[len(published) // 2]
+    print(
+        f"\nproducers published {fresh:,.0f} episodes/s while sampling "
+        f"({producer_alone:,.0f} episodes/s with nobody sampling)"
+    )
+    raw_share = ratio(busy.median("raw gather (same keys)"), idle.median("raw gather (same keys)"))
+    engine_share = ratio(busy.median("sample_batch"), idle.median("sample_batch"))
+    targets = Table(f"{title}: targets", ["check", "measured", "target", "verdict"])
+    targets.row("sample_batch under publication / idle", engine_share, ">= 0.8", check(engine_share, 0.8))
+    targets.row("same for the raw gather (the machine's share)", raw_share, "report", "-")
+    relative = ratio(engine_share, raw_share)
+    targets.row("sample_batch's busy/idle relative to the raw gather's", relative, "report", "-")
+
+
+def _producer_rate(engine, seconds: float) -> float:
+    with ContinuousPublication(engine) as publication:
+        time.sleep(max(seconds, 0.2) * 2)
+    return publication.episodes_per_s
+
+
+def latency_section(args: Args, engine, workload: Workload, title: str) -> None:
+    b, c = workload.batch_size, workload.chunk_size
+    generator = torch.Generator().manual_seed(0)
+    seconds = args.seconds * 2 * (2 if workload.image_size else 1)
+    idle: list[float] = []
+    busy: list[float] = []
+    for _ in range(args.rounds):
+        idle += latency_ms(lambda: engine.sample_batch(b, c, generator=generator), seconds)
+        with ContinuousPublication(engine):
+            busy += latency_ms(lambda: engine.sample_batch(b, c, generator=generator), seconds)
+    table = Table(f"{title}: {workload.describe()}", ["sample_batch", "calls", "p50 ms", "p99 ms", "max ms"])
+    for name, values in (("idle", idle), ("under publication", busy)):
+        table.row(name, len(values), percentile(values, 50), percentile(values, 99), max(values))
+    value = ratio(percentile(busy, 99), percentile(idle, 99))
+    targets = Table(f"{title}: targets", ["check", "measured", "target", "verdict"])
+    targets.row("p99 under publication / idle p99", value, "<= 3", check(value, 3.0, higher_is_better=False))
+
+
+def scaling_section(args: Args, workload: Workload) -> None:
+    table = Table(
+        f"Cost against buffer size (low-dim, batch {workload.batch_size} x {workload.chunk_size})",
+        ["episodes", "buffer MiB", "sample_batch ms", "raw gather ms", "sample_batch / raw"],
+    )
+    first: tuple[float, float] | None = None
+    last = (float("nan"), float("nan"))
+    for size in args.scaling_sizes:
+        sized = replace(workload, buffer_size=size, image_size=None)
+        engine = make_engine(sized, num_envs=64)
+        try:
+            raw = RawGather(engine, sized)
+            candidates = {"raw": raw, "engine": _engine_candidates(engine, sized)["sample_batch"]}
+            rates = interleaved_rates(candidates, args.rounds, args.seconds)
+            megabytes = sum(t.numel() * t.element_size() for t in engine.shared_buffer.values(True, True))
+        finally:
+            engine.stop()
+        engine_ms, raw_ms = 1e3 / rates.median("engine"), 1e3 / rates.median("raw")
+        table.row(size, megabytes / 2**20, engine_ms, raw_ms, raw_ms / engine_ms)
+        first = first or (engine_ms, raw_ms)
+        last = (engine_ms, raw_ms)
+    growth, raw_growth = ratio(last[0], first[0]) - 1, ratio(last[1], first[1]) - 1
+    sizes = f"{args.scaling_sizes[0]} -> {args.scaling_sizes[-1]}"
+    targets = Table("Cost against buffer size: targets", ["check", "measured", "target", "verdict"])
+    targets.row(
+        f"sample_batch per-batch time growth, {sizes}",
+        f"{growth:+.0%}",
+        "< +20%",
+        check(growth, 0.2, higher_is_better=False),
+    )
+    targets.row(f"raw gather per-batch time growth, {sizes} (caches)", f"{raw_growth:+.0%}", "report", "-")
+
+
+def run(args: Args) -> int:
+    _set_single_thread()
+    args = args.effective()
+    base = Workload(args.buffer_size, args.max_steps, args.batch_size, args.chunk_size)
+    images = replace(base, image_size=args.image_size)
+    print_header(
+        "simstream sampling benchmark",
+        ["python", "benchmarks/sampling.py", *sys.argv[1:]],
+        f"{args.rounds} interleaved rounds x {args.seconds:g} s per candidate, median shown"
+        + (" (QUICK: figures meaningless)" if args.quick else ""),
+    )
+    for workload, label in ((base, "low-dim"), (images, "with images")):
+        wanted = [s for s in ("publication", "latency") if s in args.sections]
+        if ("lowdim" if workload is base else "images") in args.sections:
+            wanted.insert(0, "throughput")
+        if not wanted:
+            continue
+        engine = make_engine(workload)
+        try:
+            if "throughput" in wanted:
+                throughput_section(args, engine, workload, f"Idle sampling, {label}")
+            if "publication" in wanted:
+                publication_section(args, engine, workload, f"Sampling under continuous publication, {label}")
+            if "latency" in wanted:
+                latency_section(args, engine, workload, f"Latency of sample_batch, {label}")
+        finally:
+            engine.stop()
+    if "scaling" in args.sections:
+        scaling_section(args, base)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(tyro.cli(Args)))

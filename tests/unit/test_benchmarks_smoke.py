@@ -1,0 +1,184 @@
+"""Benchmark smoke runs (``--quick``: they must print their tables, timings are never asserted), the
+``simstream bench`` command, and the output-arena recycling that the sampling fast path relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from simstream import Episode
+from simstream.sampling.gather import ArenaPool, empty_batch
+from tests.support.harness import Harness
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def quick_runs() -> dict[str, subprocess.Popen]:
+    """Both quick benchmarks, started together (they mostly wait on engines, so they overlap well)."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("sampling", "production")
+    }
+    yield runs
+    for process in runs.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def _output(process: subprocess.Popen) -> str:
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate(timeout=30)
+        pytest.fail(f"benchmark did not finish within {TIMEOUT_S} s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def test_sampling_quick_prints_every_table(quick_runs):
+    output = _output(quick_runs["sampling"])
+    for heading in (
+        "### Idle sampling, low-dim",
+        "### Idle sampling, with images",
+        "### Sampling under continuous publication, low-dim",
+        "### Sampling under continuous publication, with images",
+        "### Latency of sample_batch, low-dim",
+        "### Cost against buffer size",
+        "### Cost against buffer size: targets",
+    ):
+        assert heading in output, heading
+    for row in (
+        "| sample_batch |",
+        "| sample_batch(out=) |",
+        "| raw gather (same keys) |",
+        "| OnlineDataset batch mode, 0 workers |",
+        "| OnlineDataset item mode, 2 workers |",
+        "| sample_batch / raw gather (same keys) |",
+        "| p99 under publication / idle p99 |",
+    ):
+        assert row in output, row
+    try:
+        import torchrl  # noqa: F401
+    except ImportError:
+        assert "TorchRL not importable" in output
+    else:
+        assert "| TorchRL SliceSampler |" in output
+    assert "machine: " in output and "command: `python benchmarks/sampling.py --quick`" in output
+
+
+def test_production_quick_prints_its_table(quick_runs):
+    output = _output(quick_runs["production"])
+    assert "### Episodes per second, engine against the bare source loop" in output
+    assert "| engine / bare loop, 1 worker |" in output
+    assert "| engine 2 workers / 1 worker |" in output
+    assert "command: `python benchmarks/production.py --quick`" in output
+
+
+def test_bench_command_lists_the_benchmarks(capsys):
+    from simstream.cli import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    listing = capsys.readouterr().out
+    assert "sampling" in listing and "production" in listing
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["no-such-benchmark"])
+    assert exit_info.value.code != 0
+
+
+# -- output arenas: a batch is never overwritten while anything of it is alive -----------------------
+@pytest.fixture
+def harness() -> Harness:
+    harness = Harness(rows=4, steps=16)
+    for row in range(4):
+        harness.publish(row, Episode(length=16))
+    return harness
+
+
+def _sample(harness: Harness, seed: int = 0):
+    return harness.sampler.sample_chunks(8, 4, "episode", torch.Generator().manual_seed(seed))
+
+
+def _reused(harness: Harness, pointer: int, draws: int = 6) -> bool:
+    pointers = {_sample(harness, seed)["obs"].data_ptr() for seed in range(draws)}
+    return pointer in pointers
+
+
+def test_a_dropped_batch_is_recycled(harness):
+    if not harness.sampler.gatherer.pool.enabled:
+        pytest.skip("this torch does not expose storage use counts; every batch is freshly allocated")
+    pointer = _sample(harness)["obs"].data_ptr()
+    assert _reused(harness, pointer)
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        pytest.param(lambda batch: batch, id="the-batch"),
+        pytest.param(lambda batch: batch["obs"], id="one-key"),
+        pytest.param(lambda batch: batch["task_index"][1:, 2], id="a-view-of-another-key"),
+        pytest.param(lambda batch: batch["actions"].numpy(), id="a-numpy-array"),
+        pytest.param(lambda batch: batch["valid"].untyped_storage(), id="the-storage"),
+        pytest.param(lambda batch: batch["actions"].storage(), id="a-typed-storage"),
+        pytest.param(lambda batch: batch.unbind(0)[3], id="an-item"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_memory_still_referenced_is_never_written_again(harness, keep):
+    batch = _sample(harness)
+    pointer = batch["obs"].data_ptr()
+    snapshot = batch.clone()
+    kept = keep(batch)
+    del batch
+    assert not _reused(harness, pointer)
+    assert kept is not None
+    if isinstance(kept, torch.Tensor) and kept.data_ptr() == pointer:
+        assert torch.equal(kept, snapshot["obs"])
+
+
+def test_an_arena_moved_to_shared_memory_is_never_recycled(harness):
+    batch = _sample(harness)
+    batch["obs"].share_memory_()  # what pickling to a trainer process does: the arena moves to shm
+    pointer = batch["obs"].data_ptr()
+    del batch
+    assert not _reused(harness, pointer)
+    assert len(harness.sampler.gatherer.pool._arenas) <= harness.sampler.gatherer.pool.max_arenas
+
+
+def test_out_batches_and_pickled_pools_start_empty(harness):
+    out = _sample(harness)
+    again = harness.sampler.sample_chunks(8, 4, "episode", None, out=out)
+    assert again is out
+    pool = pickle.loads(pickle.dumps(harness.sampler.gatherer.pool))
+    assert isinstance(pool, ArenaPool) and pool._arenas == []
+
+
+def test_empty_batch_is_one_arena_with_the_template_layout(harness):
+    template = harness.storage.rows_view()
+    batch = empty_batch(template, (3, 5), shared=True)
+    assert batch.batch_size == torch.Size([3, 5])
+    assert set(batch.keys(True, True)) == set(template.keys(True, True))
+    storages = {batch.get(k).untyped_storage().data_ptr() for k in batch.keys(True, True)}
+    assert len(storages) == 1 and batch["obs"].is_shared()
+    assert batch["obs"].shape == (3, 5, 2) and batch["valid"].dtype == torch.bool
