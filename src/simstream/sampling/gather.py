@@ -223,6 +223,17 @@ class BatchGatherer:
         self._copy(frames, targets)
         return _tensordict(self._tree, leaves, torch.Size([n, length]))
 
+    def empty(self, n: int, length: int) -> TensorDict:
+        """A fresh, unpooled batch ``[n, length]`` of the buffer's keys (one arena).
+
+        For one-off shapes such as re-gathered torn items: pooling them would evict the arenas of the
+        steady batch shape and bring its first-touch page faults back.
+        """
+        count = n * length
+        nbytes = sum(-(-count * size // _ALIGN) * _ALIGN for size in self._frame_bytes)
+        _, leaves = self._carve(torch.empty(max(nbytes, 1), dtype=torch.uint8), n, length)
+        return _tensordict(self._tree, leaves, torch.Size([n, length]))
+
     def _copy(self, frames: torch.Tensor | ChunkFrames, targets: list[tuple[torch.Tensor, ...]]) -> None:
         if isinstance(frames, ChunkFrames):
             windows = self._window_views(frames.length)

@@ -130,7 +130,8 @@ class WindowSampler:
             if torn.size == 0:
                 return batch
             redo = self._select(torn.size, chunk, mode, generator, row_filter, unavailable)
-            batch[torch.from_numpy(torn)] = self.gatherer.gather(frames(redo))
+            scratch = self.gatherer.empty(torn.size, batch.batch_size[1])
+            batch[torch.from_numpy(torn)] = self.gatherer.gather(frames(redo), scratch)
             selection.replace(torn, redo)
         raise DataUnavailableError(
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
