@@ -17,6 +17,7 @@ update (collector start-up excluded). Candidates run in interleaved rounds and t
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ class Args:
     warmup_iterations: int = 3
     iterations: int = 20
     """Measured updates per candidate and round."""
-    rounds: int = 2
+    rounds: int = 3
     quick: bool = False
     """A smoke run: 1 round of 6 measured updates."""
 
@@ -130,6 +131,8 @@ def run(args: Args) -> int:
         f"{args.warmup_iterations} warm-up + {args.iterations} measured updates, {args.rounds} round(s)"
     )
     print_header("Async RL throughput (env frames/s)", ["python", *sys.argv], settings)
+    # Async overlaps collection and learning on two cores; other load on the machine eats that margin.
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rates: dict[str, list[float]] = {"async": [], "sync": [], "serial": [], "plain": []}
     lags: dict[str, list[float]] = {"async": [], "sync": [], "serial": []}
     modes = {"async": {}, "sync": {"sync": True}, "serial": {"serial": True}}
@@ -151,6 +154,7 @@ def run(args: Args) -> int:
             name, median[name], ratio(median[name], median["sync"]), ratio(median[name], median["plain"]), lag
         )
     speedup = ratio(median["async"], median["sync"])
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     print(f"\nasync / sync = {speedup:.2f}x, async / plain = {ratio(median['async'], median['plain']):.2f}x")
     return 0 if speedup > 1.0 else 1
 
