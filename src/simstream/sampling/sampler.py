@@ -131,7 +131,8 @@ class WindowSampler:
                 return batch
             redo = self._select(torn.size, chunk, mode, generator, row_filter, unavailable)
             scratch = self.gatherer.empty(torn.size, batch.batch_size[1])
-            batch[torch.from_numpy(torn)] = self.gatherer.gather(frames(redo), scratch)
+            redone = self.gatherer.gather(frames(redo), scratch)
+            self.gatherer.replace_items(batch, torch.from_numpy(torn), redone)
             selection.replace(torn, redo)
         raise DataUnavailableError(
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
