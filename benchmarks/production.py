@@ -52,7 +52,7 @@ class Args:
     def effective(self) -> Args:
         if not self.quick:
             return self
-        return replace(self, max_steps=30, rows_per_worker=8, rounds=1, seconds=0.3, work_us_per_step=20.0)
+        return replace(self, max_steps=30, rows_per_worker=8, rounds=1, seconds=0.15, work_us_per_step=20.0)
 
 
 def _bare_worker(spec_args: tuple, worker: int, seconds: float, barrier, results) -> None:

@@ -76,7 +76,7 @@ class Args:
             chunk_size=8,
             image_size=8,
             rounds=1,
-            seconds=0.05,
+            seconds=0.03,
             scaling_sizes=(16, 48),
         )
 

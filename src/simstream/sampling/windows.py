@@ -23,6 +23,7 @@ from ..buffer.index import EPISODE, SEGMENT, EligibilityIndex
 __all__ = ["IndexTables", "WindowSelection", "candidate_rows", "draw_rows", "draw_starts"]
 
 _REJECTION_ROUNDS = 4
+_EMPTY_CONFIRMATIONS = 3
 
 
 @dataclass
@@ -104,11 +105,20 @@ def _eligible(
 def candidate_rows(
     index: EligibilityIndex, chunk: int, mode: str, row_filter: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """All rows that hold an eligible window right now (O(buffer_size); used off the fast path)."""
-    ok = index.stable_rows() & (index.longest(mode) >= chunk)
-    if row_filter is not None:
-        ok &= row_filter
-    return ok.nonzero().squeeze(1)
+    """All rows that hold an eligible window right now (O(buffer_size); used off the fast path).
+
+    Versions and tables are read by separate passes, so while producers publish one window and claim the
+    next, one pass can miss the rows just published and the other the rows just claimed. An empty answer
+    is therefore confirmed by reading again: a buffer with nothing eligible stays empty on every read.
+    """
+    for _ in range(_EMPTY_CONFIRMATIONS):
+        ok = index.stable_rows() & (index.longest(mode) >= chunk)
+        if row_filter is not None:
+            ok &= row_filter
+        rows = ok.nonzero().squeeze(1)
+        if rows.numel():
+            break
+    return rows
 
 
 def draw_rows(
