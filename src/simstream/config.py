@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from ._validation import require_int
 from .sources import Field, SourceSpec
 
 __all__ = ["METADATA_KEYS", "PROVENANCE_KEYS", "OnlineDataEngineCfg", "SourceLayout"]
@@ -116,7 +117,7 @@ class OnlineDataEngineCfg:
             raise ValueError("refill_policy must be 'sample_threshold' or 'manual'")
         if self.action_dim is not None and (type(self.action_dim) is not int or self.action_dim < 1):
             raise ValueError("action_dim must be a positive integer or None")
-        _require_int("buffer_size", self.buffer_size, 1)
+        require_int("OnlineDataEngineCfg", "buffer_size", self.buffer_size, 1)
         capacity = self.lifecycle_event_capacity
         if type(capacity) is not int or (capacity != 0 and capacity < 2 * self.buffer_size):
             raise ValueError("lifecycle_event_capacity must be zero or at least 2 * buffer_size")
@@ -130,9 +131,9 @@ class OnlineDataEngineCfg:
             value = getattr(self, name)
             if not _finite_positive(value):
                 raise ValueError(f"{name} must be finite and greater than zero, got {value}.")
-        _require_int("refill_threshold", self.refill_threshold, 0)
-        _require_int("num_workers", self.num_workers, 1)
-        _require_int("seed", self.seed, 0, INT64_MAX)
+        require_int("OnlineDataEngineCfg", "refill_threshold", self.refill_threshold, 0)
+        require_int("OnlineDataEngineCfg", "num_workers", self.num_workers, 1)
+        require_int("OnlineDataEngineCfg", "seed", self.seed, 0, INT64_MAX)
         if type(self.include_provenance) is not bool:
             raise ValueError(
                 f"OnlineDataEngineCfg.include_provenance must be a bool, got {self.include_provenance!r}"
@@ -209,8 +210,8 @@ class OnlineDataEngineCfg:
                 f"fields(), build()), got {source!r}"
             )
         num_envs, steps = source.num_envs, source.max_episode_steps
-        _require_int("source.num_envs", num_envs, 1)
-        _require_int("source.max_episode_steps", steps, 1)
+        require_int("OnlineDataEngineCfg", "source.num_envs", num_envs, 1)
+        require_int("OnlineDataEngineCfg", "source.max_episode_steps", steps, 1)
         if self.max_episode_steps is not None and self.max_episode_steps != steps:
             raise ValueError(
                 f"OnlineDataEngineCfg.max_episode_steps must be None or equal the source's "
@@ -286,9 +287,3 @@ def _finite_positive(value: object) -> bool:
     return (
         isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     )
-
-
-def _require_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    if type(value) is not int or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"OnlineDataEngineCfg.{name} must be an int {bound}, got {value!r}")

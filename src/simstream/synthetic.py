@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._validation import require_int
 from .sources import Episode, Field, Segment
 
 __all__ = ["SyntheticSpec"]
@@ -43,19 +44,13 @@ class SyntheticSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_envs", "max_episode_steps", "min_length", "state_dim", "qpos_dim", "action_dim"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"SyntheticSpec.{name} must be an int >= 1, got {value!r}")
+            require_int("SyntheticSpec", name, getattr(self, name), 1)
         if self.min_length > self.max_episode_steps:
             raise ValueError(
                 f"SyntheticSpec.min_length must be <= max_episode_steps ({self.max_episode_steps}), "
                 f"got {self.min_length}"
             )
-        if type(self.num_segments) is not int or not 1 <= self.num_segments <= self.min_length:
-            raise ValueError(
-                f"SyntheticSpec.num_segments must be an int in [1, {self.min_length}], "
-                f"got {self.num_segments!r}"
-            )
+        require_int("SyntheticSpec", "num_segments", self.num_segments, 1, self.min_length)
 
     def fields(self) -> Mapping[str, Field]:
         fields = {

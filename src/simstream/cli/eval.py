@@ -12,6 +12,8 @@ from typing import Annotated
 
 import tyro
 
+from .._validation import require_int
+
 __all__ = ["EvalArgs", "main", "run_eval"]
 
 
@@ -43,11 +45,8 @@ class EvalArgs:
 
     def __post_init__(self) -> None:
         for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1), ("image_size", 16)):
-            value = getattr(self, name)
-            if type(value) is not int or value < low:
-                raise ValueError(f"EvalArgs.{name} must be an int >= {low}, got {value!r}")
-        if type(self.seed_offset) is not int or self.seed_offset < 0:
-            raise ValueError(f"EvalArgs.seed_offset must be an int >= 0, got {self.seed_offset!r}")
+            require_int("EvalArgs", name, getattr(self, name), low)
+        require_int("EvalArgs", "seed_offset", self.seed_offset, 0)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
 

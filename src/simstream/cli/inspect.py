@@ -14,6 +14,8 @@ from pathlib import Path
 
 import tyro
 
+from .._validation import require_int
+
 __all__ = ["InspectArgs", "main", "run_inspect"]
 
 
@@ -40,11 +42,8 @@ class InspectArgs:
 
     def __post_init__(self) -> None:
         for name, low in (("episodes", 1), ("show", 1), ("frames", 1), ("image_size", 16)):
-            value = getattr(self, name)
-            if type(value) is not int or value < low:
-                raise ValueError(f"InspectArgs.{name} must be an int >= {low}, got {value!r}")
-        if type(self.seed) is not int or self.seed < 0:
-            raise ValueError(f"InspectArgs.seed must be an int >= 0, got {self.seed!r}")
+            require_int("InspectArgs", name, getattr(self, name), low)
+        require_int("InspectArgs", "seed", self.seed, 0)
         from simstream.tasks import CAMERAS, get_task
 
         get_task(self.task)
