@@ -5,8 +5,9 @@ chunk ``[chunk_size]`` at a time but fetches them in blocks, so it pays one sele
 block instead of per item.
 
 Inside a ``DataLoader`` worker, batches (batch mode) and collated items (item mode) are written straight
-into one shared-memory arena per batch: sending it to the trainer then passes one file descriptor, instead
-of copying every key into its own fresh shared-memory segment as pickling private tensors does.
+into shared memory, into output slots the worker reuses once the trainer has dropped a batch (see
+:mod:`simstream.data.worker_slots`): a batch then crosses to the trainer as a small reference instead of a
+new shared-memory segment, file descriptor and mapping per batch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from tensordict import TensorDict, TensorDictBase
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import DataBudgetExhaustedError
-from ..sampling.gather import empty_batch
+from ..sampling.gather import BatchLayout
 from .chunk_sizes import ChunkSizeSampler
+from .worker_slots import current_worker_slots, worker_slots
 
 __all__ = ["OnlineDataset"]
 
@@ -40,6 +42,9 @@ class OnlineDataset(IterableDataset):
         seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``. ``None`` derives the
             seed from torch's per-worker seed.
         item_block: Chunks fetched per selection in item mode.
+        worker_slots: Output slots per ``DataLoader`` worker, reused once the trainer process holds no
+            reference to a batch (0: a fresh shared-memory batch each time). A batch the trainer forwards
+            to another process must be cloned first when slots are on.
 
     Examples:
         >>> dataset = OnlineDataset(engine, chunk_size=16, batch_size=64)  # doctest: +SKIP
@@ -57,6 +62,7 @@ class OnlineDataset(IterableDataset):
         *,
         seed: int | None = None,
         item_block: int = 32,
+        worker_slots: int = 6,
     ) -> None:
         super().__init__()
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, ChunkSizeSampler)):
@@ -73,6 +79,8 @@ class OnlineDataset(IterableDataset):
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}.")
         if type(item_block) is not int or item_block < 1:
             raise ValueError(f"item_block must be an int >= 1, got {item_block!r}.")
+        if type(worker_slots) is not int or not 0 <= worker_slots <= 64:
+            raise ValueError(f"worker_slots must be an int in [0, 64], got {worker_slots!r}.")
         self.engine = engine
         self.chunk_size = chunk_size
         self.batch_size = batch_size
@@ -80,6 +88,7 @@ class OnlineDataset(IterableDataset):
         self.sampling_mode = sampling_mode
         self.seed = seed
         self.item_block = item_block
+        self.worker_slots = worker_slots
 
     def _draw_chunk_size(self) -> int:
         if isinstance(self.chunk_size, ChunkSizeSampler):
@@ -96,21 +105,27 @@ class OnlineDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[object]:
         generator = self._generator()
-        if self.batch_size is not None:
-            in_worker = get_worker_info() is not None
+        # in a DataLoader worker, batches leave this process: write them where they are going
+        slots = worker_slots(self.worker_slots) if get_worker_info() is not None else None
+        if self.batch_size is None:
+            chunk = self._draw_chunk_size()
             while True:
-                chunk = self._draw_chunk_size()
-                out = None
-                if in_worker:  # the batch leaves this process: allocate it where it is going
-                    out = empty_batch(self.engine.shared_buffer, (self.batch_size, chunk), shared=True)
-                batch = self.engine.sample_batch(
-                    self.batch_size, chunk, self.sampling_mode, generator=generator, out=out
-                )
-                yield self._apply(batch)
-        chunk = self._draw_chunk_size()
+                for item in self._block(chunk, generator).unbind(0):
+                    yield self._apply(item)
+        layouts: dict[int, BatchLayout] = {}
         while True:
-            for item in self._block(chunk, generator).unbind(0):
-                yield self._apply(item)
+            chunk = self._draw_chunk_size()
+            out = None
+            if get_worker_info() is not None:
+                layout = layouts.get(chunk)
+                if layout is None:
+                    shape = (self.batch_size, chunk)
+                    layout = layouts[chunk] = BatchLayout.of(self.engine.shared_buffer, shape)
+                out = layout.empty(shared=True) if slots is None else slots.acquire(layout)
+            batch = self.engine.sample_batch(
+                self.batch_size, chunk, self.sampling_mode, generator=generator, out=out
+            )
+            yield self._apply(batch)
 
     def _block(self, chunk: int, generator: torch.Generator) -> TensorDict:
         try:
@@ -126,11 +141,16 @@ class OnlineDataset(IterableDataset):
 
     @staticmethod
     def collate_fn(items: list[TensorDict]) -> TensorDict:
-        """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; shared in workers)."""
+        """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; a slot in workers)."""
         first = items[0] if items else None
         if not isinstance(first, TensorDictBase):
             return torch.stack(items)
-        out = empty_batch(first, (len(items), *first.batch_size), shared=get_worker_info() is not None)
+        layout = BatchLayout.of(first, (len(items), *first.batch_size))
+        if get_worker_info() is None:
+            out = layout.empty()
+        else:
+            slots = current_worker_slots()
+            out = layout.empty(shared=True) if slots is None else slots.acquire(layout)
         try:
             return torch.stack(items, 0, out=out)
         except (RuntimeError, ValueError, KeyError, TypeError):  # items that do not share one layout

@@ -25,26 +25,27 @@ from tensordict import TensorDict
 
 from ..buffer.storage import TrajectoryStorage
 
-__all__ = ["ArenaPool", "BatchGatherer", "ChunkFrames", "empty_batch"]
+__all__ = ["ArenaPool", "BatchGatherer", "BatchLayout", "ChunkFrames", "empty_batch"]
 
 _ALIGN = 64
 """Byte alignment of each key inside an arena (a cache line; any dtype's element size divides it)."""
 
 
-def _storage_use_count(storage: torch.UntypedStorage) -> int:
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors and storage handles share ``storage`` (torch's private use count)."""
     return torch._C._storage_Use_Count(storage._cdata)
 
 
-def _use_counts_work() -> bool:
+def use_counts_work() -> bool:
     """Whether this torch reports storage references the way :class:`ArenaPool` relies on."""
     try:
         base = torch.empty(_ALIGN * 2, dtype=torch.uint8)
         storage = base.untyped_storage()
-        baseline = _storage_use_count(storage)
+        baseline = storage_use_count(storage)
         view = base[_ALIGN:].view(torch.int64)
-        held = _storage_use_count(storage)
+        held = storage_use_count(storage)
         del view
-        return held > baseline and _storage_use_count(storage) == baseline
+        return held > baseline and storage_use_count(storage) == baseline
     except Exception:  # any private-API change disables recycling; batches are then freshly allocated
         return False
 
@@ -67,7 +68,7 @@ class _Arena:
     not a storage use."""
 
     def snapshot(self) -> tuple[int, int]:
-        return _storage_use_count(self.storage), sys.getrefcount(self.storage)
+        return storage_use_count(self.storage), sys.getrefcount(self.storage)
 
 
 class ArenaPool:
@@ -89,7 +90,7 @@ class ArenaPool:
     def __init__(self, max_arenas: int = 4, max_bytes: int = 1 << 30) -> None:
         self.max_arenas = max_arenas
         self.max_bytes = max_bytes
-        self.enabled = _use_counts_work()
+        self.enabled = use_counts_work()
         self._reset()
 
     def _reset(self) -> None:
@@ -295,6 +296,68 @@ class BatchGatherer:
         return targets, leaves
 
 
+_KEY_TREES: dict[tuple[tuple[str, ...], ...], dict] = {}
+"""Key nesting per key list (layouts are few; building a tree per batch showed in profiles)."""
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each key of a batch lives inside one byte arena: keys, dtypes, frame shapes, batch shape.
+
+    Hashable, so arenas carved for one layout can be recycled for the next batch of the same layout.
+    """
+
+    paths: tuple[tuple[str, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    frames: tuple[tuple[int, ...], ...]
+    batch_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, template: TensorDict, batch_shape: tuple[int, ...]) -> BatchLayout:
+        """The layout of a batch of ``batch_shape`` with ``template``'s keys, dtypes and frame shapes."""
+        paths, dtypes, frames = [], [], []
+        for key in template.keys(include_nested=True, leaves_only=True):
+            leaf = template.get(key)
+            paths.append(key if isinstance(key, tuple) else (key,))
+            dtypes.append(leaf.dtype)
+            frames.append(tuple(leaf.shape[template.batch_dims :]))
+        return cls(tuple(paths), tuple(dtypes), tuple(frames), tuple(batch_shape))
+
+    def _sizes(self) -> list[int]:
+        count = math.prod(self.batch_shape)
+        return [count * math.prod(frame) * dtype.itemsize for dtype, frame in zip(self.dtypes, self.frames)]
+
+    @property
+    def nbytes(self) -> int:
+        """Arena size: every key's bytes, each rounded up to a cache line (at least one byte)."""
+        return max(sum(-(-size // _ALIGN) * _ALIGN for size in self._sizes()), 1)
+
+    def carve(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        """Per-key views ``[*batch_shape, *frame]`` of a uint8 ``arena`` of :attr:`nbytes` bytes."""
+        leaves, offset = [], 0
+        for dtype, frame, size in zip(self.dtypes, self.frames, self._sizes()):
+            leaves.append(arena[offset : offset + size].view(dtype).view(*self.batch_shape, *frame))
+            offset += -(-size // _ALIGN) * _ALIGN
+        return leaves
+
+    def tensordict(self, leaves: list[torch.Tensor]) -> TensorDict:
+        """A TensorDict of ``leaves`` (as made by :meth:`carve`), built without re-validation."""
+        tree = _KEY_TREES.get(self.paths)
+        if tree is None:
+            if len(_KEY_TREES) > 64:
+                _KEY_TREES.clear()
+            tree = _KEY_TREES[self.paths] = _key_tree(list(self.paths))
+        return _tensordict(tree, leaves, torch.Size(self.batch_shape))
+
+    def empty(self, *, shared: bool = False) -> TensorDict:
+        """A new uninitialised batch of this layout in one arena, optionally in shared memory."""
+        if shared:
+            arena = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(self.nbytes))
+        else:
+            arena = torch.empty(self.nbytes, dtype=torch.uint8)
+        return self.tensordict(self.carve(arena))
+
+
 def empty_batch(template: TensorDict, batch_shape: tuple[int, ...], *, shared: bool = False) -> TensorDict:
     """An uninitialised TensorDict of ``batch_shape`` with ``template``'s keys, dtypes and frame shapes.
 
@@ -307,24 +370,7 @@ def empty_batch(template: TensorDict, batch_shape: tuple[int, ...], *, shared: b
         batch_shape: Leading dimensions of the new batch.
         shared: Allocate the arena in shared memory.
     """
-    count = math.prod(batch_shape)
-    paths, specs, nbytes = [], [], 0
-    for key in template.keys(include_nested=True, leaves_only=True):
-        leaf = template.get(key)
-        frame = tuple(leaf.shape[template.batch_dims :])
-        paths.append(key if isinstance(key, tuple) else (key,))
-        specs.append((leaf.dtype, frame, nbytes))
-        nbytes += -(-count * math.prod(frame) * leaf.element_size() // _ALIGN) * _ALIGN
-    nbytes = max(nbytes, 1)
-    if shared:
-        arena = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-    else:
-        arena = torch.empty(nbytes, dtype=torch.uint8)
-    leaves = []
-    for dtype, frame, offset in specs:
-        size = count * math.prod(frame) * dtype.itemsize
-        leaves.append(arena[offset : offset + size].view(dtype).view(*batch_shape, *frame))
-    return _tensordict(_key_tree(paths), leaves, torch.Size(batch_shape))
+    return BatchLayout.of(template, batch_shape).empty(shared=shared)
 
 
 def _key_tree(paths: list[tuple[str, ...]]) -> dict:

@@ -1,0 +1,264 @@
+"""DataLoader workers' reusable output slots: batches by reference, never rewritten while referenced."""
+
+from __future__ import annotations
+
+import pickle
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from torch.multiprocessing.reductions import shared_cache
+from torch.utils.data import DataLoader
+
+from simstream import OnlineDataEngine
+from simstream.data import OnlineDataset
+from simstream.data import worker_slots as slots_module
+from simstream.data.worker_slots import WorkerSlots
+from simstream.sampling.gather import BatchLayout
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _arena(batch) -> int:
+    """Address of the memory a batch's keys live in (one arena per batch)."""
+    return batch["obs"].untyped_storage().data_ptr()
+
+
+def _assert_whole_chunks(batch) -> None:
+    """Every chunk is consecutive valid frames of one episode (``obs`` = tag, frame index, worker)."""
+    obs = batch["obs"]
+    assert bool(batch["valid"].all())
+    assert bool((obs[:, 1:, 1] - obs[:, :-1, 1] == 1).all())
+    assert bool((obs[:, :, 0] == obs[:, :1, 0]).all())
+    assert bool((batch["actions"][..., 0] == obs[..., 0]).all())
+
+
+def _loader(engine, *, workers: int = 2, context: str = "fork", worker_slots: int = 6, **dataset_kwargs):
+    dataset = OnlineDataset(
+        engine, chunk_size=4, batch_size=8, seed=5, worker_slots=worker_slots, **dataset_kwargs
+    )
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=context,
+        collate_fn=OnlineDataset.passthrough_collate_fn,
+        timeout=60,
+    )
+
+
+@contextmanager
+def _iterating(loader: DataLoader):
+    """An iterator over ``loader`` whose workers are shut down on every exit path (failures included)."""
+    iterator = iter(loader)
+    try:
+        yield iterator
+    finally:
+        getattr(iterator, "_shutdown_workers", lambda: None)()
+
+
+def _refilling_engine() -> OnlineDataEngine:
+    """An engine whose producers keep rewriting rows while workers sample (content keeps changing)."""
+    return OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6, refill_threshold=1))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_batches_are_whole_chunks_in_reused_slots(context):
+    with _refilling_engine() as engine:
+        arenas = []
+        with _iterating(_loader(engine, context=context)) as iterator:
+            for _ in range(40):
+                batch = next(iterator)
+                _assert_whole_chunks(batch)
+                arenas.append(_arena(batch))
+                del batch
+    # 40 batches from 2 workers came from at most 2 x 6 slots, each written again and again
+    assert len(set(arenas)) <= 12
+    assert max(arenas.count(address) for address in set(arenas)) >= 3
+
+
+def _released(arena: int) -> bool | None:
+    """Whether this (trainer) process has handed the slot at ``arena`` back to its worker."""
+    for pool in slots_module._RECEIVED.values():
+        for index, slot in pool.slots.items():
+            if slot.anchor.untyped_storage().data_ptr() == arena:
+                return not slot.received and int(pool.flags[index]) == 0
+    return None
+
+
+def _hold(batch, kind: str):
+    if kind == "batch":
+        return batch
+    if kind == "leaf":
+        return batch["obs"]
+    if kind == "view":
+        return batch["obs"][:, 1:, :2]
+    if kind == "numpy":
+        return batch["actions"].numpy()
+    if kind == "storage":
+        return batch["obs"].untyped_storage()
+    raise AssertionError(kind)
+
+
+def _held_values(held) -> np.ndarray:
+    if isinstance(held, torch.UntypedStorage):
+        return np.frombuffer(bytes(held), dtype=np.uint8).copy()
+    if isinstance(held, np.ndarray):
+        return held.copy()
+    if isinstance(held, torch.Tensor):
+        return held.clone().numpy()
+    return held["obs"].clone().numpy()
+
+
+@pytest.mark.parametrize("kind", ["batch", "leaf", "view", "numpy", "storage"])
+def test_a_referenced_batch_is_never_rewritten_and_is_released_once_dropped(kind):
+    with _refilling_engine() as engine, _iterating(_loader(engine)) as iterator:
+        for _ in range(4):
+            next(iterator)
+        batch = next(iterator)
+        held_arena = _arena(batch)
+        held = _hold(batch, kind)
+        before = _held_values(held)
+        del batch
+        later = []
+        for _ in range(30):
+            later.append(_arena(next(iterator)))
+        # while anything of it is referenced, its slot is never written again
+        assert held_arena not in later
+        assert np.array_equal(_held_values(held), before)
+        assert _released(held_arena) is False
+        del held
+        for _ in range(4):  # arrivals from both workers run the release pass
+            next(iterator)
+        assert _released(held_arena) is True
+        assert engine.get_stats()["requested_generation"] >= 2  # rows were rewritten meanwhile
+
+
+def test_batches_kept_beyond_the_slots_fall_back_to_fresh_memory():
+    with _refilling_engine() as engine:
+        with _iterating(_loader(engine, worker_slots=1)) as iterator:
+            kept = [next(iterator) for _ in range(10)]
+            copies = [batch.clone() for batch in kept]
+            for _ in range(10):
+                next(iterator)
+        assert len({_arena(batch) for batch in kept}) == 10
+        for batch, copy in zip(kept, copies):
+            _assert_whole_chunks(batch)
+            assert (batch == copy).all()
+
+
+@pytest.mark.parametrize("worker_slots", [0, 6])
+def test_transforms_in_workers_travel_with_or_without_slot_views(worker_slots):
+    with _refilling_engine() as engine:
+        select = lambda td: td.select("obs", "valid")  # noqa: E731  (views of the slot's keys)
+        clone = lambda td: td.clone()  # noqa: E731  (new tensors: the slot itself never travels)
+        with (
+            _iterating(_loader(engine, worker_slots=worker_slots, transform=select)) as views,
+            _iterating(_loader(engine, worker_slots=worker_slots, transform=clone)) as copies,
+        ):
+            for _ in range(12):
+                selected = next(views)
+                assert set(selected.keys()) == {"obs", "valid"}
+                assert bool(selected["valid"].all())
+                assert bool((selected["obs"][:, 1:, 1] - selected["obs"][:, :-1, 1] == 1).all())
+                _assert_whole_chunks(next(copies))
+
+
+def test_without_slots_every_batch_is_fresh_memory():
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        with _iterating(_loader(engine, worker_slots=0)) as iterator:
+            batches = [next(iterator) for _ in range(6)]
+        assert len({_arena(batch) for batch in batches}) == 6
+
+
+def test_item_mode_collates_into_slots():
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=4, seed=2)
+        loader = DataLoader(
+            dataset, batch_size=6, num_workers=2, collate_fn=OnlineDataset.collate_fn, timeout=60
+        )
+        arenas = []
+        with _iterating(loader) as iterator:
+            for _ in range(24):
+                batch = next(iterator)
+                assert batch.batch_size == torch.Size([6, 4])
+                _assert_whole_chunks(batch)
+                arenas.append(_arena(batch))
+                del batch
+        assert len(set(arenas)) <= 12
+
+
+# -- the release protocol, step by step (worker and trainer sides in this process) --------------------
+def _send(slots: WorkerSlots, batch):
+    """What a DataLoader worker's queue does: pickle (marking the slot HANDED); then unpickle here."""
+    reduced = slots.reduce_batch(batch)
+    assert reduced is not None
+    rebuild, arguments = reduced
+    message = ForkingPickler.dumps(arguments)
+    shared_cache.clear()  # as in another process: map the slot's memory anew, not this process's storage
+    return rebuild(*pickle.loads(message))
+
+
+def _pointer(batch) -> int:
+    return batch["obs"].untyped_storage().data_ptr()
+
+
+def test_release_protocol_frees_a_slot_only_after_the_trainer_drops_it():
+    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    slots = WorkerSlots(max_slots=3)
+    first = slots.acquire(layout)
+    first_arena = _pointer(first)
+    first["obs"].fill_(1.0)
+    received_first = _send(slots, first)
+    del first
+    second = slots.acquire(layout)  # the first slot is with the trainer: another one
+    assert _pointer(second) != first_arena
+    second["obs"].fill_(2.0)
+    received_second = _send(slots, second)
+    slot_arenas = {first_arena, _pointer(second)}
+    del second
+    third = slots.acquire(layout)
+    third["obs"].fill_(3.0)
+    slot_arenas.add(_pointer(third))
+    assert len(slot_arenas) == 3
+    # every slot is referenced (two by the trainer, one by the worker itself): fresh memory instead
+    assert _pointer(slots.acquire(layout)) not in slot_arenas and slots.fallbacks == 1
+    # the trainer drops the first batch, but nothing has arrived since: its slot is not free yet
+    del received_first
+    assert _pointer(slots.acquire(layout)) not in slot_arenas and slots.fallbacks == 2
+    # the next arrival frees every slot the trainer no longer references
+    received_third = _send(slots, third)
+    del third
+    assert _pointer(slots.acquire(layout)) == first_arena and slots.fallbacks == 2
+    assert received_second["obs"].tolist() == [[2.0] * 3] * 4
+    assert received_third["obs"].tolist() == [[3.0] * 3] * 4
+
+
+def test_receiving_a_slot_of_an_unknown_worker_or_generation_fails_clearly():
+    with pytest.raises(RuntimeError, match="never received its slot table"):
+        slots_module._receive_slot((1, "unknown-pool"), 0, 0, None, None)
+    slots = WorkerSlots(max_slots=1)
+    layout = BatchLayout(paths=(("obs",),), dtypes=(torch.float32,), frames=((2,),), batch_shape=(3,))
+    slots.acquire(layout)
+    key, index, generation, storage, flags = pickle.loads(ForkingPickler.dumps(slots._handover(0)))
+    slots_module._receive_slot(key, index, generation, storage, flags)
+    with pytest.raises(RuntimeError, match=r"\(generation 7\) by reference before its storage reached"):
+        slots_module._receive_slot(key, index, 7, None, None)
+    with pytest.raises(RuntimeError, match="before its layout reached this process"):
+        slots_module._receive_slot_batch(key, index, generation, None, None, None)
+
+
+@given(st.integers(min_value=-5, max_value=100))
+def test_worker_slots_argument_range(count):
+    if 0 <= count <= 64:
+        assert OnlineDataset(None, chunk_size=2, worker_slots=count).worker_slots == count
+    else:
+        with pytest.raises(ValueError, match=rf"worker_slots must be an int in \[0, 64\], got {count}"):
+            OnlineDataset(None, chunk_size=2, worker_slots=count)
