@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._validation import require_int
 from .evaluate import RolloutConfig
 from .policy import PolicyConfig
 
@@ -87,13 +88,9 @@ class DemoConfig:
             "eval_episodes", "max_episode_steps",
         )  # fmt: skip
         for name in positive:
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}")
+            require_int("DemoConfig", name, getattr(self, name), 1)
         for name in ("refill_threshold", "eval_episodes_during", "seed"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"DemoConfig.{name} must be an int >= 0, got {value!r}")
+            require_int("DemoConfig", name, getattr(self, name), 0)
         for name in ("lr", "time_limit_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .._validation import require_int
 from .policy import ChunkPolicy, observation_features
 from .text import HashedTextEmbedding
 
@@ -48,8 +49,7 @@ class RolloutConfig:
     """Truncation limit of an evaluation episode (20 Hz steps)."""
 
     def __post_init__(self) -> None:
-        if type(self.execute_steps) is not int or self.execute_steps < 1:
-            raise ValueError(f"RolloutConfig.execute_steps must be an int >= 1, got {self.execute_steps!r}")
+        require_int("RolloutConfig", "execute_steps", self.execute_steps, 1)
         decay = self.ensemble_decay
         if decay is not None and not (
             isinstance(decay, (int, float)) and math.isfinite(decay) and decay >= 0
@@ -57,10 +57,7 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.ensemble_decay must be None or a finite float >= 0, got {decay!r}"
             )
-        if type(self.max_episode_steps) is not int or self.max_episode_steps < 1:
-            raise ValueError(
-                f"RolloutConfig.max_episode_steps must be an int >= 1, got {self.max_episode_steps!r}"
-            )
+        require_int("RolloutConfig", "max_episode_steps", self.max_episode_steps, 1)
 
 
 @dataclass

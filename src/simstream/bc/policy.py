@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from .._validation import require_int
+
 __all__ = [
     "ChunkPolicy",
     "PolicyConfig",
@@ -108,9 +110,7 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("history", 1), ("horizon", 1), ("hidden", 8), ("layers", 1), ("text_dim", 8)):
-            value = getattr(self, name)
-            if type(value) is not int or value < low:
-                raise ValueError(f"PolicyConfig.{name} must be an int >= {low}, got {value!r}")
+            require_int("PolicyConfig", name, getattr(self, name), low)
 
 
 class ChunkPolicy(nn.Module):

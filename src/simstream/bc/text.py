@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .._validation import require_int
+
 __all__ = ["HashedTextEmbedding", "tokenize"]
 
 _TOKEN = re.compile(r"[a-z0-9]+")
@@ -54,8 +56,7 @@ class HashedTextEmbedding:
     """
 
     def __init__(self, dim: int = 64, ngram: int = 2) -> None:
-        if type(dim) is not int or dim < 8:
-            raise ValueError(f"HashedTextEmbedding.dim must be an int >= 8, got {dim!r}")
+        require_int("HashedTextEmbedding", "dim", dim, 8)
         if ngram not in (1, 2):
             raise ValueError(f"HashedTextEmbedding.ngram must be 1 or 2, got {ngram!r}")
         self.dim = dim

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 
+from .._validation import require_int
 from ..errors import CollectorDiedError
 from .collector import (
     TIMING_KEYS,
@@ -139,10 +140,8 @@ class APPORunner(AsyncRunner):
         Raises:
             CollectorDiedError: the collector died, failed or hung (the summary is written first).
         """
-        if not isinstance(max_iterations, int) or max_iterations < 1:
-            raise ValueError(f"APPORunner.learn max_iterations must be an int >= 1, got {max_iterations!r}")
-        if not isinstance(save_interval, int) or save_interval < 1:
-            raise ValueError(f"APPORunner.learn save_interval must be an int >= 1, got {save_interval!r}")
+        require_int("APPORunner.learn", "max_iterations", max_iterations, 1)
+        require_int("APPORunner.learn", "save_interval", save_interval, 1)
         self._raise_if_closed()
         threads = torch.get_num_threads()
         if self.config.learner_num_threads:

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .._validation import require_int
+
 __all__ = ["APPOConfig", "RunnerConfig"]
 
 
@@ -26,13 +28,7 @@ def _positive(owner: str, name: str, value: float) -> None:
 
 
 def _int_at_least(owner: str, name: str, value: int, low: int) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= low,
-        owner,
-        name,
-        f"an int >= {low}",
-        value,
-    )
+    require_int(owner, name, value, low)
 
 
 def _in_unit(owner: str, name: str, value: float, *, open_low: bool = False) -> None:
