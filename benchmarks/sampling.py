@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 import tyro
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from _timing import Rates, Table, check, interleaved_rates, latency_ms, percentile, print_header, ratio
 from _timing import set_single_thread as _set_single_thread
@@ -96,9 +96,9 @@ def _engine_candidates(engine, workload: Workload) -> dict[str, Callable[[], obj
     return {"sample_batch": fresh, "sample_batch(out=)": into_out}
 
 
-def _loader(engine, workload: Workload, item_mode: bool, workers: int) -> DataLoader:
+def _loader(engine, workload: Workload, item_mode: bool, workers: int, worker_slots: int = 6) -> DataLoader:
     if item_mode:
-        dataset = OnlineDataset(engine, workload.chunk_size, seed=0)
+        dataset = OnlineDataset(engine, workload.chunk_size, seed=0, worker_slots=worker_slots)
         return DataLoader(
             dataset,
             batch_size=workload.batch_size,
@@ -106,24 +106,65 @@ def _loader(engine, workload: Workload, item_mode: bool, workers: int) -> DataLo
             collate_fn=OnlineDataset.collate_fn,
             persistent_workers=False,
         )
-    dataset = OnlineDataset(engine, workload.chunk_size, batch_size=workload.batch_size, seed=0)
+    dataset = OnlineDataset(
+        engine, workload.chunk_size, batch_size=workload.batch_size, seed=0, worker_slots=worker_slots
+    )
     return DataLoader(
         dataset, batch_size=None, num_workers=workers, collate_fn=OnlineDataset.passthrough_collate_fn
     )
 
 
-def _loader_rate(engine, workload: Workload, item_mode: bool, workers: int, args: Args, rates: Rates):
+class _SampleWithoutSending(IterableDataset):
+    """Workers that sample batches like ``OnlineDataset`` but send the trainer only a counter.
+
+    The ceiling of any hand-off design: what ``DataLoader`` workers deliver on this machine when moving a
+    batch to the trainer costs nothing.
+    """
+
+    def __init__(self, engine, workload: Workload) -> None:
+        self.engine, self.workload = engine, workload
+
+    def __iter__(self):
+        b, c = self.workload.batch_size, self.workload.chunk_size
+        generator = torch.Generator().manual_seed(get_worker_info().id)
+        out = self.engine.sample_batch(b, c, generator=generator)
+        count = 0
+        while True:
+            self.engine.sample_batch(b, c, generator=generator, out=out)
+            count += 1
+            yield count
+
+
+def _loader_rate(name: str, loader: DataLoader, workload: Workload, args: Args, rates: Rates) -> None:
     """Rounds of a ``DataLoader``; workers are started fresh per round and stopped after it."""
-    name = _loader_name(item_mode, workers)
     seconds = args.seconds * (2 if workload.image_size else 1)
     for _ in range(args.rounds):
-        iterator = iter(_loader(engine, workload, item_mode, workers))
+        iterator = iter(loader)
         interleaved_rates({name: lambda it=iterator: next(it)}, 1, seconds, warmup_calls=3, rates=rates)
         del iterator
 
 
-def _loader_name(item_mode: bool, workers: int) -> str:
-    return f"OnlineDataset {'item' if item_mode else 'batch'} mode, {workers} workers"
+def _worker_loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
+    """The multi-worker rows: both modes with slots, batch mode without, and the no-hand-off ceiling."""
+    return {
+        _loader_name(False, workers): _loader(engine, workload, False, workers),
+        _loader_name(True, workers): _loader(engine, workload, True, workers),
+        _loader_name(False, workers, NO_SLOTS): _loader(engine, workload, False, workers, worker_slots=0),
+        _loader_name(False, workers, CEILING): DataLoader(
+            _SampleWithoutSending(engine, workload), batch_size=None, num_workers=workers
+        ),
+    }
+
+
+NO_SLOTS = "worker_slots=0"
+CEILING = "ceiling: batches sampled, not sent"
+
+
+def _loader_name(item_mode: bool, workers: int, variant: str = "") -> str:
+    name = f"OnlineDataset {'item' if item_mode else 'batch'} mode, {workers} workers"
+    if variant == CEILING:
+        return f"{workers} workers, {CEILING}"
+    return f"{name}, {variant}" if variant else name
 
 
 # -- sections --------------------------------------------------------------------------------------
@@ -141,8 +182,8 @@ def throughput_section(args: Args, engine, workload: Workload, title: str) -> No
     if torchrl is not None:
         # TorchRL is 20-100x slower: measured in its own rounds so it does not dominate the run time
         interleaved_rates({"TorchRL SliceSampler": torchrl}, args.rounds, seconds, rates=rates)
-    for item_mode in (False, True):
-        _loader_rate(engine, workload, item_mode, args.loader_workers, args, rates)
+    for name, loader in _worker_loaders(engine, workload, args.loader_workers).items():
+        _loader_rate(name, loader, workload, args, rates)
     _print_throughput(title, workload, rates, raw.bytes_per_batch, torchrl is not None, args.loader_workers)
 
 
@@ -182,6 +223,12 @@ def _print_throughput(
         targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, "report (memory bus)", "-")
     else:
         targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, ">= 1.5", check(value, 1.5))
+    without = rates.median(_loader_name(False, workers, NO_SLOTS))
+    ceiling = rates.median(_loader_name(False, workers, CEILING))
+    label = f"  same, {NO_SLOTS} (a new shared segment per batch)"
+    targets.row(label, ratio(without, loader0), "report", "-")
+    targets.row(f"  {workers} workers, {CEILING} / 0 workers", ratio(ceiling, loader0), "report", "-")
+    targets.row("  OnlineDataset batch mode / that ceiling", ratio(loader2, ceiling), "report", "-")
 
 
 def publication_section(args: Args, engine, workload: Workload, title: str) -> None:
@@ -255,12 +302,43 @@ def _last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
+def _cold_cache_ms(fn: Callable[[], object], calls: int, evict_bytes: int) -> float:
+    """Median time of ``fn`` with the last-level cache flushed before each call (as a training step does)."""
+    scratch = torch.ones(evict_bytes // 4)
+    sink = torch.empty_like(scratch)
+    durations = []
+    for _ in range(calls):
+        sink.copy_(scratch)
+        began = time.perf_counter()
+        fn()
+        durations.append(time.perf_counter() - began)
+    return percentile(durations, 50) * 1e3
+
+
+def _shmem_huge_pages() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    text = path.read_text().strip() if path.exists() else "unknown"
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else text
+
+
 def scaling_section(args: Args, workload: Workload) -> None:
+    cache = _last_level_cache_bytes()
+    evict = 2 * (cache or 32 * 2**20)
     table = Table(
         f"Cost against buffer size (low-dim, batch {workload.batch_size} x {workload.chunk_size})",
-        ["episodes", "buffer MiB", "sample_batch ms", "raw gather ms", "sample_batch / raw"],
+        [
+            "episodes",
+            "buffer MiB",
+            "sample_batch ms",
+            "raw gather ms",
+            "raw / sample_batch",
+            "cold cache: sample_batch ms",
+            "cold cache: raw ms",
+        ],
     )
-    measured: list[tuple[int, float, float, float]] = []
+    measured: list[tuple[int, float, float, float, float, float]] = []
+    calls = 30 if args.quick else 300
     for size in args.scaling_sizes:
         sized = replace(workload, buffer_size=size, image_size=None)
         engine = make_engine(sized, num_envs=64)
@@ -268,12 +346,19 @@ def scaling_section(args: Args, workload: Workload) -> None:
             raw = RawGather(engine, sized)
             candidates = {"raw": raw, "engine": _engine_candidates(engine, sized)["sample_batch"]}
             rates = interleaved_rates(candidates, args.rounds, args.seconds)
+            cold_engine = _cold_cache_ms(candidates["engine"], calls, evict)
+            cold_raw = _cold_cache_ms(raw, calls, evict)
             nbytes = sum(t.numel() * t.element_size() for t in engine.shared_buffer.values(True, True))
         finally:
             engine.stop()
         engine_ms, raw_ms = 1e3 / rates.median("engine"), 1e3 / rates.median("raw")
-        table.row(size, nbytes / 2**20, engine_ms, raw_ms, raw_ms / engine_ms)
-        measured.append((size, nbytes, engine_ms, raw_ms))
+        table.row(size, nbytes / 2**20, engine_ms, raw_ms, raw_ms / engine_ms, cold_engine, cold_raw)
+        measured.append((size, nbytes, engine_ms, raw_ms, cold_engine, cold_raw))
+    print(
+        f"\nCold cache: {evict // 2**20} MiB streamed through the cache before each timed call (median of "
+        f"{calls}). Transparent huge pages for shared memory: {_shmem_huge_pages()} (4 KiB pages, so a "
+        "larger buffer also means more TLB misses per sampled window)."
+    )
     first, last = measured[0], measured[-1]
     sizes = f"{first[0]} -> {last[0]}"
     growth, raw_growth = ratio(last[2], first[2]) - 1, ratio(last[3], first[3]) - 1
@@ -285,7 +370,9 @@ def scaling_section(args: Args, workload: Workload) -> None:
         check(growth, 0.2, higher_is_better=False),
     )
     targets.row(f"raw gather per-batch time growth, {sizes}", f"{raw_growth:+.0%}", "report", "-")
-    cache = _last_level_cache_bytes()
+    cold, cold_raw = ratio(last[4], first[4]) - 1, ratio(last[5], first[5]) - 1
+    targets.row(f"cold cache: sample_batch growth, {sizes}", f"{cold:+.0%}", "report", "-")
+    targets.row(f"cold cache: raw gather growth, {sizes}", f"{cold_raw:+.0%}", "report", "-")
     beyond = [m for m in measured if cache is not None and m[1] > 2 * cache]
     if len(beyond) >= 2 and beyond[0] is not first:
         low, high = beyond[0], beyond[-1]

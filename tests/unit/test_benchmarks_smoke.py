@@ -73,7 +73,10 @@ def test_sampling_quick_prints_every_table(quick_runs):
         "| raw gather (same keys) |",
         "| OnlineDataset batch mode, 0 workers |",
         "| OnlineDataset item mode, 2 workers |",
+        "| OnlineDataset batch mode, 2 workers, worker_slots=0 |",
+        "| 2 workers, ceiling: batches sampled, not sent |",
         "| sample_batch / raw gather (same keys) |",
+        "| cold cache: sample_batch growth, 16 -> 48 |",
         "| p99 under publication / idle p99 |",
     ):
         assert row in output, row
