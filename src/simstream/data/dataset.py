@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import DataBudgetExhaustedError
 from ..sampling.gather import BatchLayout
 from .chunk_sizes import ChunkSizeSampler
-from .worker_slots import current_worker_slots, worker_slots
+from .worker_slots import worker_batch, worker_slots
 
 __all__ = ["OnlineDataset"]
 
@@ -106,7 +106,9 @@ class OnlineDataset(IterableDataset):
     def __iter__(self) -> Iterator[object]:
         generator = self._generator()
         # in a DataLoader worker, batches leave this process: write them where they are going
-        slots = worker_slots(self.worker_slots) if get_worker_info() is not None else None
+        in_worker = get_worker_info() is not None
+        if in_worker:
+            worker_slots(self.worker_slots)
         if self.batch_size is None:
             chunk = self._draw_chunk_size()
             while True:
@@ -116,12 +118,12 @@ class OnlineDataset(IterableDataset):
         while True:
             chunk = self._draw_chunk_size()
             out = None
-            if get_worker_info() is not None:
+            if in_worker:
                 layout = layouts.get(chunk)
                 if layout is None:
                     shape = (self.batch_size, chunk)
                     layout = layouts[chunk] = BatchLayout.of(self.engine.shared_buffer, shape)
-                out = layout.empty(shared=True) if slots is None else slots.acquire(layout)
+                out = worker_batch(layout)
             batch = self.engine.sample_batch(
                 self.batch_size, chunk, self.sampling_mode, generator=generator, out=out
             )
@@ -146,11 +148,7 @@ class OnlineDataset(IterableDataset):
         if not isinstance(first, TensorDictBase):
             return torch.stack(items)
         layout = BatchLayout.of(first, (len(items), *first.batch_size))
-        if get_worker_info() is None:
-            out = layout.empty()
-        else:
-            slots = current_worker_slots()
-            out = layout.empty(shared=True) if slots is None else slots.acquire(layout)
+        out = layout.empty() if get_worker_info() is None else worker_batch(layout)
         try:
             return torch.stack(items, 0, out=out)
         except (RuntimeError, ValueError, KeyError, TypeError):  # items that do not share one layout

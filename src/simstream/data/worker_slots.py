@@ -36,9 +36,9 @@ from tensordict import TensorDict
 from tensordict._reductions import _reduce_td as _tensordict_reduce
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
 
-from ..sampling.gather import BatchLayout, storage_use_count, use_counts_work
+from ..sampling.gather import BatchLayout, shared_arena, storage_use_count, use_counts_work
 
-__all__ = ["WorkerSlots", "current_worker_slots", "worker_slots"]
+__all__ = ["WorkerSlots", "current_worker_slots", "worker_batch", "worker_slots"]
 
 _FREE, _HANDED = 0, 1
 _MAX_RECEIVED_POOLS = 64
@@ -50,8 +50,9 @@ def _counts(anchor: torch.Tensor) -> tuple[int, int]:
     return storage_use_count(storage), sys.getrefcount(storage)
 
 
-def _new_shared_anchor(nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+def _anchor(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over a received storage: what keeps it mapped here."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 class _SendStorage:
@@ -90,7 +91,7 @@ class WorkerSlots:
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.key = (os.getpid(), secrets.token_hex(8))
-        self._flags_anchor = _new_shared_anchor(8 * max_slots)
+        self._flags_anchor = shared_arena(8 * max_slots)
         self._flags = self._flags_anchor.view(torch.int64).numpy()
         self._flags[:] = _FREE
         self._flags_sent = False
@@ -141,7 +142,7 @@ class WorkerSlots:
         old = self._slots[index]
         if old is not None:
             self._by_pointer.pop(old.anchor.untyped_storage().data_ptr(), None)
-        anchor = _new_shared_anchor(layout.nbytes)
+        anchor = shared_arena(layout.nbytes)
         slot = _Slot(layout, anchor, layout.carve(anchor), 0 if old is None else old.generation + 1)
         batch = layout.tensordict(slot.leaves)
         slot.items = [
@@ -164,15 +165,22 @@ class WorkerSlots:
             return None
         return index
 
-    def _handover(self, index: int) -> tuple:
-        """Mark slot ``index`` HANDED; its reference (with its storage the first time) for pickling."""
+    def _handover(self, index: int, whole_batch: bool = False) -> tuple:
+        """Mark slot ``index`` HANDED; its reference (with its storage the first time) for pickling.
+
+        ``whole_batch`` appends the slot's layout, which travels once per slot generation.
+        """
         with self._lock:
             slot = self._slots[index]
             self._flags[index] = _HANDED
             storage = None if slot.sent else _SendStorage(slot.anchor.untyped_storage())
             flags = None if self._flags_sent else _SendStorage(self._flags_anchor.untyped_storage())
             slot.sent = self._flags_sent = True
-            return (self.key, index, slot.generation, storage, flags)
+            if not whole_batch:
+                return (self.key, index, slot.generation, storage, flags)
+            layout = None if slot.layout_sent else slot.layout
+            slot.layout_sent = True
+            return (self.key, index, slot.generation, storage, flags, layout)
 
     def reduce(self, index: int) -> tuple:
         return (_receive_slot, self._handover(index))
@@ -205,11 +213,7 @@ class WorkerSlots:
                 or leaf.stride() != mine.stride()
             ):
                 return None
-        handover = self._handover(index)
-        with self._lock:  # the layout travels once per slot generation, with its first whole batch
-            layout = None if slot.layout_sent else slot.layout
-            slot.layout_sent = True
-        return (_receive_slot_batch, (*handover, layout))
+        return (_receive_slot_batch, self._handover(index, whole_batch=True))
 
 
 _WORKER_SLOTS: WorkerSlots | None = None
@@ -256,6 +260,12 @@ def current_worker_slots() -> WorkerSlots | None:
     """This process's slots if :func:`worker_slots` created them here, else ``None``."""
     slots = _WORKER_SLOTS
     return slots if slots is not None and slots.key[0] == os.getpid() else None
+
+
+def worker_batch(layout: BatchLayout) -> TensorDict:
+    """An uninitialised batch of ``layout`` to send from this worker: a slot, else fresh shared memory."""
+    slots = current_worker_slots()
+    return layout.empty(shared=True) if slots is None else slots.acquire(layout)
 
 
 # -- trainer side -----------------------------------------------------------------------------------
@@ -342,11 +352,11 @@ def _arrive(
                 "slots can only be unpickled by the process that iterates the DataLoader."
             )
         _prune_exited_workers()
-        flags_anchor = torch.empty(0, dtype=torch.uint8).set_(flags)
+        flags_anchor = _anchor(flags)
         pool = _ReceivedPool(key[0], flags_anchor.view(torch.int64).numpy(), flags_anchor)
         _RECEIVED[key] = pool
     if storage is not None:
-        pool.slots[index] = _ReceivedSlot(torch.empty(0, dtype=torch.uint8).set_(storage), generation)
+        pool.slots[index] = _ReceivedSlot(_anchor(storage), generation)
     slot = pool.slots.get(index)
     if slot is None or slot.generation != generation:
         raise RuntimeError(

@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from ..buffer.storage import TrajectoryStorage
 
-__all__ = ["ArenaPool", "BatchGatherer", "BatchLayout", "ChunkFrames", "empty_batch"]
+__all__ = ["ArenaPool", "BatchGatherer", "BatchLayout", "ChunkFrames", "empty_batch", "shared_arena"]
 
 _ALIGN = 64
 """Byte alignment of each key inside an arena (a cache line; any dtype's element size divides it)."""
@@ -351,11 +351,13 @@ class BatchLayout:
 
     def empty(self, *, shared: bool = False) -> TensorDict:
         """A new uninitialised batch of this layout in one arena, optionally in shared memory."""
-        if shared:
-            arena = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(self.nbytes))
-        else:
-            arena = torch.empty(self.nbytes, dtype=torch.uint8)
+        arena = shared_arena(self.nbytes) if shared else torch.empty(self.nbytes, dtype=torch.uint8)
         return self.tensordict(self.carve(arena))
+
+
+def shared_arena(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of new shared memory (what a process can pass on by reference)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 def empty_batch(template: TensorDict, batch_shape: tuple[int, ...], *, shared: bool = False) -> TensorDict:
