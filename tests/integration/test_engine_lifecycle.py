@@ -133,6 +133,19 @@ def test_failed_attempts_are_retried_and_never_visible():
         assert bool((batch["obs"][..., 0] % 10 == 1).all())  # tag encodes the attempt
 
 
+def test_a_shorter_retry_leaves_no_frames_of_the_failed_attempt():
+    # every window's failed attempt writes 20 frames per row, the retry that succeeds only 7
+    spec = ScriptedSpec(fail_attempts=1, lengths=(20, 20, 7, 7), image=True)
+    with OnlineDataEngine(make_cfg(spec, max_generation_attempts=2)) as engine:
+        rows = engine.shared_buffer
+        assert torch.equal(rows["valid"].sum(dim=1), torch.full((4,), 7))
+        assert bool((rows["obs"][:, :7, 0] % 10 == 1).all())  # the retry's frames
+        assert bool(rows["obs"][:, 7:].isnan().all())  # not the failed attempt's
+        assert bool(rows["actions"][:, 7:].isnan().all())
+        assert bool((rows["obs_image", "rgb"][:, :7] > 0).all())
+        assert not bool(rows["obs_image", "rgb"][:, 7:].any())  # integer payload: unwritten is 0
+
+
 def test_flow_status_and_budget_snapshot_without_quotas():
     with OnlineDataEngine(make_cfg()) as engine:
         status = engine.get_flow_status()

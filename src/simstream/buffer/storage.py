@@ -113,10 +113,18 @@ class TrajectoryStorage:
     def iter_specs(self, payload: bool | None = None) -> Iterator[KeySpec]:
         return (s for s in self.specs if payload is None or s.payload == payload)
 
-    def invalidate_rows(self, start: int, end: int) -> None:
-        """Reset rows ``[start, end)`` to the unwritten state (metadata and payload poison)."""
+    def invalidate_rows(self, start: int, end: int, *, payload: bool = True) -> None:
+        """Reset rows ``[start, end)`` to the unwritten state: metadata, and the payload if ``payload``."""
         lo, hi = start * self.max_steps, end * self.max_steps
-        for spec in self.specs:
+        for spec in self.iter_specs(payload=None if payload else False):
+            self.flat[spec.path][lo:hi].fill_(spec.unwritten)
+
+    def poison_payload_tail(self, row: int, length: int) -> None:
+        """Payload frames ``[length, T)`` of ``row`` back to the unwritten value (NaN for floats)."""
+        if length >= self.max_steps:
+            return
+        lo, hi = row * self.max_steps + length, (row + 1) * self.max_steps
+        for spec in self.iter_specs(payload=True):
             self.flat[spec.path][lo:hi].fill_(spec.unwritten)
 
 

@@ -104,9 +104,13 @@ class EpisodeWriter:
         self.run_id = run_id
 
     def claim(self, start: int, end: int) -> None:
-        """Take rows ``[start, end)`` away from samplers and reset them to the unwritten state."""
+        """Take rows ``[start, end)`` away from samplers and reset their metadata to unwritten.
+
+        The payload is left alone: the source overwrites it, and :meth:`write` poisons the frames past each
+        episode's end, so image payloads cross the memory bus once per episode instead of twice.
+        """
         self.index.begin_write(start, end)
-        self.storage.invalidate_rows(start, end)
+        self.storage.invalidate_rows(start, end, payload=False)
 
     def reset_metadata(self, start: int, end: int) -> None:
         """Before another attempt: metadata back to unwritten (payload is overwritten by the source)."""
@@ -122,6 +126,8 @@ class EpisodeWriter:
             length = episode.length
             for name, values in derived.items():
                 self.storage.metadata(name)[row, :length] = torch.from_numpy(values)
+            # frames past the end may hold an older episode or a failed attempt's longer one
+            self.storage.poison_payload_tail(row, length)
             row_tables = compute_row_tables(
                 derived["continuity_id"], derived["segment_id"], derived["segment_accepted"]
             )
