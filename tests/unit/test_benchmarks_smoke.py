@@ -24,7 +24,7 @@ TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def quick_runs() -> dict[str, subprocess.Popen]:
-    """Both quick benchmarks, started together (they mostly wait on engines, so they overlap well)."""
+    """The quick benchmarks, started together (they mostly wait on engines, so they overlap well)."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     runs = {
         name: subprocess.Popen(
@@ -35,7 +35,7 @@ def quick_runs() -> dict[str, subprocess.Popen]:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for name in ("sampling", "production")
+        for name in ("sampling", "production", "huge_pages")
     }
     yield runs
     for process in runs.values():
@@ -75,6 +75,7 @@ def test_sampling_quick_prints_every_table(quick_runs):
         "| OnlineDataset item mode, 2 workers |",
         "| OnlineDataset batch mode, 2 workers, worker_slots=0 |",
         "| 2 workers, ceiling: batches sampled, not sent |",
+        "| 2 processes sampling side by side, no DataLoader |",
         "| sample_batch / raw gather (same keys) |",
         "| cold cache: sample_batch growth, 16 -> 48 |",
         "| p99 under publication / idle p99 |",
@@ -97,6 +98,12 @@ def test_production_quick_prints_its_table(quick_runs):
     assert "command: `python benchmarks/production.py --quick`" in output
 
 
+def test_huge_pages_quick_prints_both_memories(quick_runs):
+    output = _output(quick_runs["huge_pages"])
+    assert "| torch shared memory |" in output and "| memfd + MADV_HUGEPAGE |" in output
+    assert "command: `python benchmarks/huge_pages.py --quick`" in output
+
+
 def test_bench_command_lists_the_benchmarks(capsys):
     from simstream.cli import bench
 
@@ -104,7 +111,7 @@ def test_bench_command_lists_the_benchmarks(capsys):
         bench.main(["--help"])
     assert exit_info.value.code == 0
     listing = capsys.readouterr().out
-    assert "sampling" in listing and "production" in listing
+    assert "sampling" in listing and "production" in listing and "huge_pages" in listing
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["no-such-benchmark"])
     assert exit_info.value.code != 0
