@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from tensordict import TensorDict
@@ -186,9 +187,12 @@ class BatchGatherer:
     """Gathers frames of every stored key into a new (or given) TensorDict ``[n, L]``."""
 
     def __init__(self, storage: TrajectoryStorage, pool: ArenaPool | None = None) -> None:
-        self._entries = [(spec.path, storage.flat[spec.path], spec.frame_shape) for spec in storage.specs]
-        self._frame_bytes = [source[0].numel() * source.element_size() for _, source, _ in self._entries]
-        self._tree = _key_tree([path for path, _, _ in self._entries])
+        self._sources = [storage.flat[spec.path] for spec in storage.specs]
+        self._paths = tuple(spec.path for spec in storage.specs)
+        self._dtypes = tuple(spec.dtype for spec in storage.specs)
+        self._frames = tuple(spec.frame_shape for spec in storage.specs)
+        self._frame_bytes = [source[0].numel() * source.element_size() for source in self._sources]
+        self._layouts: dict[tuple[int, int], BatchLayout] = {}
         self._windows: dict[int, list[torch.Tensor | None]] = {}
         self.pool = pool if pool is not None else ArenaPool()
 
@@ -196,6 +200,16 @@ class BatchGatherer:
         state = self.__dict__.copy()
         state["_windows"] = {}  # views are rebuilt on demand, never pickled
         return state
+
+    def layout(self, n: int, length: int) -> BatchLayout:
+        """The layout of a batch ``[n, length]`` of every stored key."""
+        layout = self._layouts.get((n, length))
+        if layout is None:
+            if len(self._layouts) > 16:  # a chunk-size sampler may ask for many lengths
+                self._layouts.clear()
+            layout = BatchLayout(self._paths, self._dtypes, self._frames, (n, length))
+            self._layouts[n, length] = layout
+        return layout
 
     def gather(self, frames: torch.Tensor | ChunkFrames, out: TensorDict | None = None) -> TensorDict:
         """Copy ``frames`` of every key.
@@ -209,20 +223,17 @@ class BatchGatherer:
             A TensorDict ``[n, L]`` that owns its memory (``out`` when given).
         """
         n, length = frames.shape
-        count = n * length
         if out is not None:
             targets = []
-            for path, _, _ in self._entries:
+            for path in self._paths:
                 target = out.get(path)
-                targets.append((target.view(count, *target.shape[2:]), target))
+                targets.append((target.view(n * length, *target.shape[2:]), target))
             self._copy(frames, targets)
             return out
-        nbytes = sum(-(-count * size // _ALIGN) * _ALIGN for size in self._frame_bytes)
-        targets, leaves = self.pool.acquire(
-            (n, length), max(nbytes, 1), lambda base: self._carve(base, n, length)
-        )
+        layout = self.layout(n, length)
+        targets, leaves = self.pool.acquire((n, length), layout.nbytes, lambda base: _targets(layout, base))
         self._copy(frames, targets)
-        return _tensordict(self._tree, leaves, torch.Size([n, length]))
+        return layout.tensordict(leaves)
 
     def empty(self, n: int, length: int) -> TensorDict:
         """A fresh, unpooled batch ``[n, length]`` of the buffer's keys (one arena).
@@ -230,10 +241,7 @@ class BatchGatherer:
         For one-off shapes such as re-gathered torn items: pooling them would evict the arenas of the
         steady batch shape and bring its first-touch page faults back.
         """
-        count = n * length
-        nbytes = sum(-(-count * size // _ALIGN) * _ALIGN for size in self._frame_bytes)
-        _, leaves = self._carve(torch.empty(max(nbytes, 1), dtype=torch.uint8), n, length)
-        return _tensordict(self._tree, leaves, torch.Size([n, length]))
+        return BatchLayout(self._paths, self._dtypes, self._frames, (n, length)).empty()
 
     @staticmethod
     def replace_items(batch: TensorDict, items: torch.Tensor, values: TensorDict) -> None:
@@ -255,7 +263,7 @@ class BatchGatherer:
         if isinstance(frames, ChunkFrames):
             windows = self._window_views(frames.length)
             flat_index = None
-            for (_, source, _), window, (flat, shaped) in zip(self._entries, windows, targets):
+            for source, window, (flat, shaped) in zip(self._sources, windows, targets):
                 if window is not None:
                     torch.index_select(window, 0, frames.starts, out=shaped)
                     continue
@@ -264,7 +272,7 @@ class BatchGatherer:
                 torch.index_select(source, 0, flat_index, out=flat)
             return
         flat_index = frames.reshape(-1)
-        for (_, source, _), (flat, _) in zip(self._entries, targets):
+        for source, (flat, _) in zip(self._sources, targets):
             torch.index_select(source, 0, flat_index, out=flat)
 
     def _window_views(self, length: int) -> list[torch.Tensor | None]:
@@ -272,7 +280,7 @@ class BatchGatherer:
         views = self._windows.get(length)
         if views is None:
             views = []
-            for (_, source, shape), size in zip(self._entries, self._frame_bytes):
+            for source, shape, size in zip(self._sources, self._frames, self._frame_bytes):
                 if size > _WINDOWED_MAX_FRAME_BYTES or length > source.shape[0]:
                     views.append(None)
                     continue
@@ -284,16 +292,12 @@ class BatchGatherer:
             self._windows[length] = views
         return views
 
-    def _carve(self, base: torch.Tensor, n: int, length: int) -> tuple[list, list[torch.Tensor]]:
-        count, offset = n * length, 0
-        targets, leaves = [], []
-        for (_, source, shape), size in zip(self._entries, self._frame_bytes):
-            flat = base[offset : offset + count * size].view(source.dtype).view(count, *shape)
-            shaped = flat.view(n, length, *shape)
-            targets.append((flat, shaped))
-            leaves.append(shaped)
-            offset += -(-count * size // _ALIGN) * _ALIGN
-        return targets, leaves
+
+def _targets(layout: BatchLayout, arena: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+    """``(targets, leaves)`` of an arena: per key, flat ``[n * L, *frame]`` and ``[n, L, *frame]`` views."""
+    leaves = layout.carve(arena)
+    count = math.prod(layout.batch_shape)
+    return [(leaf.view(count, *leaf.shape[2:]), leaf) for leaf in leaves], leaves
 
 
 _KEY_TREES: dict[tuple[tuple[str, ...], ...], dict] = {}
@@ -323,31 +327,40 @@ class BatchLayout:
             frames.append(tuple(leaf.shape[template.batch_dims :]))
         return cls(tuple(paths), tuple(dtypes), tuple(frames), tuple(batch_shape))
 
-    def _sizes(self) -> list[int]:
+    @cached_property
+    def _sizes(self) -> tuple[int, ...]:
         count = math.prod(self.batch_shape)
-        return [count * math.prod(frame) * dtype.itemsize for dtype, frame in zip(self.dtypes, self.frames)]
+        return tuple(count * math.prod(f) * dtype.itemsize for dtype, f in zip(self.dtypes, self.frames))
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Arena size: every key's bytes, each rounded up to a cache line (at least one byte)."""
-        return max(sum(-(-size // _ALIGN) * _ALIGN for size in self._sizes()), 1)
+        return max(sum(-(-size // _ALIGN) * _ALIGN for size in self._sizes), 1)
 
     def carve(self, arena: torch.Tensor) -> list[torch.Tensor]:
         """Per-key views ``[*batch_shape, *frame]`` of a uint8 ``arena`` of :attr:`nbytes` bytes."""
         leaves, offset = [], 0
-        for dtype, frame, size in zip(self.dtypes, self.frames, self._sizes()):
+        for dtype, frame, size in zip(self.dtypes, self.frames, self._sizes):
             leaves.append(arena[offset : offset + size].view(dtype).view(*self.batch_shape, *frame))
             offset += -(-size // _ALIGN) * _ALIGN
         return leaves
 
     def tensordict(self, leaves: list[torch.Tensor]) -> TensorDict:
         """A TensorDict of ``leaves`` (as made by :meth:`carve`), built without re-validation."""
+        return _tensordict(self._tree, leaves, self._size)
+
+    @cached_property
+    def _tree(self) -> dict:
         tree = _KEY_TREES.get(self.paths)
         if tree is None:
             if len(_KEY_TREES) > 64:
                 _KEY_TREES.clear()
             tree = _KEY_TREES[self.paths] = _key_tree(list(self.paths))
-        return _tensordict(tree, leaves, torch.Size(self.batch_shape))
+        return tree
+
+    @cached_property
+    def _size(self) -> torch.Size:
+        return torch.Size(self.batch_shape)
 
     def empty(self, *, shared: bool = False) -> TensorDict:
         """A new uninitialised batch of this layout in one arena, optionally in shared memory."""
