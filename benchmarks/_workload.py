@@ -13,8 +13,10 @@ preallocated outputs: the memory-bus ceiling of this layout) and TorchRL's ``Rep
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,9 +162,14 @@ def make_torchrl_sampler(engine: OnlineDataEngine, workload: Workload) -> Callab
     Same keys, same frames: a ``TensorStorage`` wrapping the flat shared tensors plus an ``episode`` id
     per frame (``traj_key``); ``strict_length=True`` and no truncation key, TorchRL's lean slice path.
     """
+    # importing torchrl sets the process-wide start method to spawn unless one is set already: pin the
+    # platform default first, so the DataLoader workers measured after this keep the context users get
+    mp.get_start_method()
     try:
-        from torchrl.data import ReplayBuffer, TensorStorage
-        from torchrl.data.replay_buffers.samplers import SliceSampler
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="failed to set start method")
+            from torchrl.data import ReplayBuffer, TensorStorage
+            from torchrl.data.replay_buffers.samplers import SliceSampler
     except ImportError:
         return None
     logging.getLogger("torchrl").setLevel(logging.WARNING)
