@@ -27,10 +27,6 @@ def _positive(owner: str, name: str, value: float) -> None:
     )
 
 
-def _int_at_least(owner: str, name: str, value: int, low: int) -> None:
-    require_int(owner, name, value, low)
-
-
 def _in_unit(owner: str, name: str, value: float, *, open_low: bool = False) -> None:
     low_ok = value > 0 if open_low else value >= 0
     accepted = "in (0, 1]" if open_low else "in [0, 1]"
@@ -149,7 +145,7 @@ class APPOConfig:
             ("stats_window", 1),
             ("seed", 0),
         ):
-            _int_at_least(owner, name, getattr(self, name), low)
+            require_int(owner, name, getattr(self, name), low)
         _require(
             self.overflow in ("block", "drop_oldest"),
             owner,
@@ -158,7 +154,7 @@ class APPOConfig:
             self.overflow,
         )
         if self.max_policy_lag is not None:
-            _int_at_least(owner, "max_policy_lag", self.max_policy_lag, 0)
+            require_int(owner, "max_policy_lag", self.max_policy_lag, 0)
         _require(
             len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and h >= 1 for h in self.hidden_sizes),
             owner,
