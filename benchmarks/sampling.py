@@ -55,7 +55,7 @@ ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency
 
 @dataclass(frozen=True)
 class Args:
-    """Sampling benchmarks of issue 6 (defaults: the reference workload, about 3 minutes on 2 vCPUs)."""
+    """Sampling benchmarks of issue 6 (defaults: the reference workload, about 6 minutes on 2 vCPUs)."""
 
     sections: tuple[Section, ...] = ALL_SECTIONS
     """Which sections to run."""
@@ -67,7 +67,7 @@ class Args:
     batch_size: int = 256
     chunk_size: int = 32
     image_size: int = 64
-    rounds: int = 3
+    rounds: int = 5
     """Interleaved rounds per measurement; tables print the median."""
     seconds: float = 0.6
     """Time per candidate per round (image candidates get twice as long)."""
