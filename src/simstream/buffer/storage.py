@@ -113,10 +113,10 @@ class TrajectoryStorage:
     def iter_specs(self, payload: bool | None = None) -> Iterator[KeySpec]:
         return (s for s in self.specs if payload is None or s.payload == payload)
 
-    def invalidate_rows(self, start: int, end: int, *, payload: bool = True) -> None:
-        """Reset rows ``[start, end)`` to the unwritten state: metadata, and the payload if ``payload``."""
+    def reset_metadata(self, start: int, end: int) -> None:
+        """Metadata of rows ``[start, end)`` back to the unwritten state (``valid`` false, ids -1)."""
         lo, hi = start * self.max_steps, end * self.max_steps
-        for spec in self.iter_specs(payload=None if payload else False):
+        for spec in self.iter_specs(payload=False):
             self.flat[spec.path][lo:hi].fill_(spec.unwritten)
 
     def poison_payload_tail(self, row: int, length: int) -> None:

@@ -110,12 +110,11 @@ class EpisodeWriter:
         episode's end, so image payloads cross the memory bus once per episode instead of twice.
         """
         self.index.begin_write(start, end)
-        self.storage.invalidate_rows(start, end, payload=False)
+        self.storage.reset_metadata(start, end)
 
     def reset_metadata(self, start: int, end: int) -> None:
         """Before another attempt: metadata back to unwritten (payload is overwritten by the source)."""
-        for spec in self.storage.iter_specs(payload=False):
-            self.storage.metadata(spec.name)[start:end].fill_(spec.unwritten)
+        self.storage.reset_metadata(start, end)
 
     def write(self, start: int, episodes: Sequence[Episode], attempt: int) -> list[RowTables]:
         """Derive and store metadata and run tables of every row of the window (rows stay invisible)."""
