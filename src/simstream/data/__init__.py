@@ -2,5 +2,6 @@
 
 from .chunk_sizes import ChunkSizeSampler, GMMChunkSampler, UniformChunkSampler
 from .dataset import OnlineDataset
+from .loader_context import loader_context
 
-__all__ = ["ChunkSizeSampler", "GMMChunkSampler", "OnlineDataset", "UniformChunkSampler"]
+__all__ = ["ChunkSizeSampler", "GMMChunkSampler", "OnlineDataset", "UniformChunkSampler", "loader_context"]

@@ -17,11 +17,12 @@ from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import DataBudgetExhaustedError
 from ..sampling.gather import BatchLayout
 from .chunk_sizes import ChunkSizeSampler
+from .loader_context import loader_context
 from .worker_slots import worker_batch, worker_slots
 
 __all__ = ["OnlineDataset"]
@@ -48,8 +49,7 @@ class OnlineDataset(IterableDataset):
 
     Examples:
         >>> dataset = OnlineDataset(engine, chunk_size=16, batch_size=64)  # doctest: +SKIP
-        >>> loader = DataLoader(dataset, batch_size=None, num_workers=2,
-        ...                     collate_fn=OnlineDataset.passthrough_collate_fn)  # doctest: +SKIP
+        >>> loader = dataset.loader(num_workers=2)  # doctest: +SKIP
     """
 
     def __init__(
@@ -140,6 +140,40 @@ class OnlineDataset(IterableDataset):
 
     def _apply(self, data: TensorDict) -> object:
         return data if self.transform is None else self.transform(data)
+
+    def loader(self, num_workers: int = 0, batch_size: int | None = None, **dataloader_kwargs) -> DataLoader:
+        """A ``torch.utils.data.DataLoader`` over this dataset, set up for its mode.
+
+        Args:
+            num_workers: ``DataLoader`` worker processes (0: sample in the calling process).
+            batch_size: Item mode only, and required there: chunks collated per batch. In batch mode the
+                dataset already yields whole batches and this must stay ``None``.
+            **dataloader_kwargs: Passed on to ``DataLoader``. ``collate_fn`` defaults to :meth:`collate_fn`
+                (item mode) or :meth:`passthrough_collate_fn` (batch mode). With workers,
+                ``multiprocessing_context`` defaults to :func:`~simstream.data.loader_context`, whose queues
+                skip ``multiprocessing.Queue``'s feeder threads; a start-method name is wrapped in it, a
+                context object is used as given.
+        """
+        if type(num_workers) is not int or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}.")
+        if self.batch_size is not None and batch_size is not None:
+            raise ValueError(
+                f"batch_size must be None in batch mode: the dataset already yields batches of "
+                f"{self.batch_size} chunks, got batch_size={batch_size!r}."
+            )
+        if self.batch_size is None and (type(batch_size) is not int or batch_size < 1):
+            raise ValueError(
+                f"batch_size must be an int >= 1 in item mode (chunks per batch), got {batch_size!r}."
+            )
+        item_mode = self.batch_size is None
+        dataloader_kwargs.setdefault(
+            "collate_fn", self.collate_fn if item_mode else self.passthrough_collate_fn
+        )
+        if num_workers > 0:
+            context = dataloader_kwargs.get("multiprocessing_context")
+            if context is None or isinstance(context, str):
+                dataloader_kwargs["multiprocessing_context"] = loader_context(context)
+        return DataLoader(self, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs)
 
     @staticmethod
     def collate_fn(items: list[TensorDict]) -> TensorDict:

@@ -1,0 +1,225 @@
+"""``OnlineDataset.loader`` and ``loader_context``: DataLoader workers whose queues have no feeder thread."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simstream import OnlineDataEngine
+from simstream.data import OnlineDataset, loader_context
+from simstream.data.loader_context import DirectQueue
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _assert_whole_chunks(batch) -> None:
+    """Every chunk is consecutive valid frames of one episode (``obs`` = tag, frame index, worker)."""
+    obs = batch["obs"]
+    assert bool(batch["valid"].all())
+    assert bool((obs[:, 1:, 1] - obs[:, :-1, 1] == 1).all())
+    assert bool((obs[:, :, 0] == obs[:, :1, 0]).all())
+    assert bool((batch["actions"][..., 0] == obs[..., 0]).all())
+
+
+def _feeder_threads() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if "Feeder" in thread.name]
+
+
+def _refilling_engine(spec: ScriptedSpec | None = None) -> OnlineDataEngine:
+    spec = spec or ScriptedSpec(lengths=(20, 9))
+    return OnlineDataEngine(make_cfg(spec, buffer_size=6, refill_threshold=1))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_loader_streams_whole_batches_without_feeder_threads(method):
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=3)
+        loader = dataset.loader(num_workers=2, multiprocessing_context=method, timeout=60)
+        assert loader.multiprocessing_context.get_start_method() == method
+        assert type(loader.multiprocessing_context).__name__.startswith("Direct")
+        iterator = iter(loader)
+        try:
+            workers = set()
+            for _ in range(30):
+                batch = next(iterator)
+                assert batch.batch_size == torch.Size([8, 4])
+                _assert_whole_chunks(batch)
+                workers.update(batch["obs"][..., 2].unique().tolist())
+            # the trainer put 30+ indices into the workers' queues: a multiprocessing.Queue would have
+            # started a feeder thread here for each of them
+            assert _feeder_threads() == []
+        finally:
+            iterator._shutdown_workers()
+        assert engine.get_stats()["requested_generation"] >= 2  # the workers' samples triggered refills
+
+
+def test_item_mode_loader_collates_chunks():
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=5, seed=1)
+        loader = dataset.loader(num_workers=2, batch_size=6, timeout=60)
+        iterator = iter(loader)
+        try:
+            for _ in range(8):
+                batch = next(iterator)
+                assert batch.batch_size == torch.Size([6, 5])
+                _assert_whole_chunks(batch)
+        finally:
+            iterator._shutdown_workers()
+
+
+def test_loader_without_workers_samples_in_process():
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        dataset = OnlineDataset(engine, chunk_size=3, batch_size=4, seed=7)
+        first = next(iter(dataset.loader()))
+        again = next(iter(OnlineDataset(engine, chunk_size=3, batch_size=4, seed=7)))
+        assert (first == again).all()
+
+
+def test_an_error_in_a_worker_reaches_the_trainer_with_its_type_and_message():
+    def fail(batch):
+        raise ValueError("transform failed in the worker")
+
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        loader = OnlineDataset(engine, chunk_size=2, batch_size=4, transform=fail).loader(
+            num_workers=2, multiprocessing_context="fork", timeout=60
+        )
+        iterator = iter(loader)
+        try:
+            with pytest.raises(ValueError, match="transform failed in the worker"):
+                next(iterator)
+        finally:
+            iterator._shutdown_workers()
+
+
+def test_a_producer_failure_reaches_the_trainer_through_the_workers():
+    spec = ScriptedSpec(lengths=(20, 9), fault="raise", fault_after=3)
+    with pytest.raises(KeyError, match="scripted failure in rollout"), _refilling_engine(spec) as engine:
+        iterator = iter(OnlineDataset(engine, chunk_size=2, batch_size=4).loader(num_workers=2, timeout=60))
+        try:
+            for _ in range(100_000):  # refills requested by the workers' samples reach the fault
+                next(iterator)
+        finally:
+            iterator._shutdown_workers()
+
+
+def test_a_killed_worker_is_reported_not_waited_for():
+    """DataLoader's own watchdog still works with direct queues: an error, not a hang.
+
+    Which error depends on where the kill lands: DataLoader's SIGCHLD handler (at any line after the kill,
+    even during shutdown), its liveness check, or a batch whose storage the dead worker was handing over.
+    """
+    errors: list[BaseException] = []
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        loader = OnlineDataset(engine, chunk_size=2, batch_size=4).loader(
+            num_workers=2, multiprocessing_context="fork", timeout=30
+        )
+        iterator = iter(loader)
+        try:
+            next(iterator)
+            os.kill(iterator._workers[0].pid, signal.SIGKILL)
+            for _ in range(100_000):
+                next(iterator)
+        except (RuntimeError, ConnectionError, EOFError) as error:
+            errors.append(error)
+        finally:
+            try:
+                iterator._shutdown_workers()
+            except RuntimeError as error:
+                errors.append(error)
+    assert errors, "the loader kept delivering batches after a worker was killed"
+    reported = re.compile(
+        r"DataLoader worker \(pids?(\(s\))? [\d, ]+\) (is killed by signal: Killed|exited unexpectedly)"
+    )
+    assert all(isinstance(e, (ConnectionError, EOFError)) or reported.search(str(e)) for e in errors), errors
+
+
+# -- the queue itself ----------------------------------------------------------------------------------
+def _echo(inbox: DirectQueue, outbox: DirectQueue) -> None:
+    while (item := inbox.get(timeout=30)) is not None:
+        outbox.put({"doubled": item * 2, "pid": os.getpid()})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_direct_queue_carries_objects_and_tensors_between_processes(method):
+    context = loader_context(method)
+    inbox, outbox = context.Queue(), context.Queue()
+    process = context.Process(target=_echo, args=(inbox, outbox))
+    process.start()
+    try:
+        inbox.put(torch.arange(3))
+        inbox.put(21)
+        first, second = outbox.get(timeout=30), outbox.get(timeout=30)
+        assert first["doubled"].tolist() == [0, 2, 4] and second["doubled"] == 42
+        assert first["pid"] == process.pid != os.getpid()
+        inbox.put(None)
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert _feeder_threads() == []
+
+
+def test_direct_queue_timeouts_and_close():
+    direct = loader_context("fork").Queue()
+    with pytest.raises(queue.Empty):
+        direct.get(block=False)
+    with pytest.raises(queue.Empty):
+        direct.get(timeout=0.01)
+    direct.put("kept in order")
+    direct.put(("a", 2))
+    assert direct.get(timeout=1) == "kept in order" and direct.get() == ("a", 2)
+    direct.close()
+    direct.close()
+    with pytest.raises(ValueError, match="put\\(\\) on a closed DirectQueue"):
+        direct.put(1)
+    with pytest.raises(ValueError, match="get\\(\\) on a closed DirectQueue"):
+        direct.get()
+
+
+def test_loader_context_does_not_pin_the_default_start_method():
+    code = (
+        "import multiprocessing as mp; from simstream.data import loader_context; "
+        "context = loader_context(); "
+        "print(context.get_start_method(), mp.get_start_method(allow_none=True))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [mp.get_all_start_methods()[0], "None"]
+
+
+def test_loader_argument_errors():
+    batches = OnlineDataset(None, chunk_size=2, batch_size=4)
+    items = OnlineDataset(None, chunk_size=2)
+    with pytest.raises(ValueError, match=r"batch_size must be None in batch mode: .* batches of 4 chunks"):
+        batches.loader(batch_size=8)
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1 in item mode .*got None"):
+        items.loader()
+    with pytest.raises(ValueError, match="start_method must be None or one of"):
+        loader_context("threads")
+
+
+@given(st.integers(min_value=-3, max_value=3))
+def test_loader_num_workers_range(workers):
+    dataset = OnlineDataset(None, chunk_size=2, batch_size=4)
+    if workers < 0:
+        with pytest.raises(ValueError, match=rf"num_workers must be an int >= 0, got {workers}"):
+            dataset.loader(num_workers=workers)
+    else:
+        loader = dataset.loader(num_workers=workers)
+        assert loader.num_workers == workers and loader.batch_size is None
+        assert (loader.multiprocessing_context is None) == (workers == 0)
