@@ -23,6 +23,7 @@ __all__ = [
     "describe_machine",
     "interleaved_rates",
     "latency_ms",
+    "process_cpu_seconds",
     "ratio",
     "set_single_thread",
 ]
@@ -54,10 +55,15 @@ class Rates:
 
     rounds: dict[str, list[float]] = field(default_factory=dict)
     cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+    helper_cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+    """CPU milliseconds per call spent in helper processes (``DataLoader`` workers), where measured."""
 
-    def add(self, name: str, rate: float, cpu_ms: float = float("nan")) -> None:
+    def add(
+        self, name: str, rate: float, cpu_ms: float = float("nan"), helper_cpu_ms: float = float("nan")
+    ) -> None:
         self.rounds.setdefault(name, []).append(rate)
         self.cpu_ms.setdefault(name, []).append(cpu_ms)
+        self.helper_cpu_ms.setdefault(name, []).append(helper_cpu_ms)
 
     def median(self, name: str) -> float:
         values = self.rounds.get(name)
@@ -66,6 +72,23 @@ class Rates:
     def median_cpu_ms(self, name: str) -> float:
         values = self.cpu_ms.get(name)
         return statistics.median(values) if values else float("nan")
+
+    def median_helper_cpu_ms(self, name: str) -> float:
+        values = self.helper_cpu_ms.get(name)
+        return statistics.median(values) if values else float("nan")
+
+
+def process_cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (Linux ``/proc``; else NaN)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
     def __contains__(self, name: str) -> bool:
         return name in self.rounds

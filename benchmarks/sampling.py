@@ -36,6 +36,7 @@ from _timing import (
     latency_ms,
     percentile,
     print_header,
+    process_cpu_seconds,
     ratio,
 )
 from _timing import set_single_thread as _set_single_thread
@@ -47,7 +48,7 @@ from _workload import (
     make_torchrl_sampler,
     payload_keys,
 )
-from simstream.data import OnlineDataset
+from simstream.data import OnlineDataset, loader_context
 
 Section = Literal["lowdim", "images", "publication", "latency", "scaling"]
 ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency", "scaling")
@@ -111,21 +112,20 @@ def _engine_candidates(engine, workload: Workload) -> dict[str, Callable[[], obj
     return {"sample_batch": fresh, "sample_batch(out=)": into_out}
 
 
-def _loader(engine, workload: Workload, item_mode: bool, workers: int, worker_slots: int = 6) -> DataLoader:
-    if item_mode:
-        dataset = OnlineDataset(engine, workload.chunk_size, seed=0, worker_slots=worker_slots)
-        return DataLoader(
-            dataset,
-            batch_size=workload.batch_size,
-            num_workers=workers,
-            collate_fn=OnlineDataset.collate_fn,
-            persistent_workers=False,
-        )
-    dataset = OnlineDataset(
-        engine, workload.chunk_size, batch_size=workload.batch_size, seed=0, worker_slots=worker_slots
-    )
-    return DataLoader(
-        dataset, batch_size=None, num_workers=workers, collate_fn=OnlineDataset.passthrough_collate_fn
+def _loader(
+    engine,
+    workload: Workload,
+    item_mode: bool,
+    workers: int,
+    worker_slots: int = 6,
+    stock_queues: bool = False,
+) -> DataLoader:
+    """``OnlineDataset.loader`` (direct queues), or ``multiprocessing.Queue`` with ``stock_queues``."""
+    batch_size = None if item_mode else workload.batch_size
+    dataset = OnlineDataset(engine, workload.chunk_size, batch_size, seed=0, worker_slots=worker_slots)
+    context = mp.get_context(mp.get_start_method()) if stock_queues and workers else None
+    return dataset.loader(
+        workers, workload.batch_size if item_mode else None, multiprocessing_context=context
     )
 
 
@@ -156,18 +156,36 @@ fill its prefetch queue and hand each output slot over once, so rounds measure t
 training run lives in rather than worker start-up."""
 
 
-def _loader_rate(name: str, loader: DataLoader, workload: Workload, args: Args, rates: Rates) -> None:
-    """Rounds of a ``DataLoader``; workers are started fresh per round and stopped after it."""
+def _loader_rounds(
+    engine, loaders: dict[str, DataLoader], workload: Workload, args: Args, rates: Rates
+) -> None:
+    """Interleaved rounds of every loader (round 1 of each, then round 2, ...) and of the plain processes.
+
+    Each round iterates a fresh ``DataLoader`` iterator (workers started anew, then stopped), timed after
+    ``LOADER_WARMUP_BATCHES``. Interleaving pairs the rows' measurements in time, so the ratios between
+    them do not carry the VM's drift.
+    """
     seconds = args.round_seconds(workload)
     warmup = 3 if args.quick else LOADER_WARMUP_BATCHES
     for _ in range(args.rounds):
-        iterator = iter(loader)
-        interleaved_rates({name: lambda it=iterator: next(it)}, 1, seconds, warmup_calls=warmup, rates=rates)
-        del iterator
+        for name, loader in loaders.items():
+            iterator = iter(loader)
+            for _ in range(warmup):
+                next(iterator)
+            workers = [worker.pid for worker in getattr(iterator, "_workers", ())]
+            began, workers_cpu = time.perf_counter(), process_cpu_seconds(workers)
+            rate, cpu_ms = call_rate(lambda it=iterator: next(it), seconds)
+            batches = rate * (time.perf_counter() - began)
+            workers_ms = (
+                (process_cpu_seconds(workers) - workers_cpu) * 1e3 / batches if workers else float("nan")
+            )
+            rates.add(name, rate, cpu_ms, workers_ms)
+            del iterator
+        _parallel_processes_round(engine, workload, args, rates)
 
 
 def _sample_in_process(engine, workload: Workload, seed: int, start, seconds: float, results) -> None:
-    """One of ``_parallel_processes_rate``'s samplers: ``sample_batch`` in a loop, its rate to ``results``."""
+    """One sampler of ``_parallel_processes_round``: ``sample_batch`` in a loop, its rate to ``results``."""
     _set_single_thread()
     b, c = workload.batch_size, workload.chunk_size
     generator = torch.Generator().manual_seed(seed)
@@ -177,46 +195,53 @@ def _sample_in_process(engine, workload: Workload, seed: int, start, seconds: fl
     results.put(rate)
 
 
-def _parallel_processes_rate(engine, workload: Workload, args: Args, rates: Rates) -> None:
-    """Batches/s of ``loader_workers`` plain processes sampling side by side, no ``DataLoader``.
+def _parallel_processes_round(engine, workload: Workload, args: Args, rates: Rates) -> None:
+    """One round of ``loader_workers`` plain processes sampling side by side, no ``DataLoader``.
 
     What the machine itself allows: no queues, no hand-off, no trainer process competing for the cores.
     """
     context = mp.get_context("fork")
     seconds = args.round_seconds(workload)
-    for _ in range(args.rounds):
-        start, results = context.Event(), context.Queue()
-        processes = [
-            context.Process(target=_sample_in_process, args=(engine, workload, i, start, seconds, results))
-            for i in range(args.loader_workers)
-        ]
+    start, results = context.Event(), context.Queue()
+    processes = [
+        context.Process(target=_sample_in_process, args=(engine, workload, i, start, seconds, results))
+        for i in range(args.loader_workers)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        start.set()
+        total = sum(results.get(timeout=60.0 + seconds) for _ in processes)
+    finally:
         for process in processes:
-            process.start()
-        try:
-            start.set()
-            total = sum(results.get(timeout=60.0 + seconds) for _ in processes)
-        finally:
-            for process in processes:
-                process.join(timeout=30.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-        rates.add(PROCESSES.format(workers=args.loader_workers), total)
+            process.join(timeout=30.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    rates.add(PROCESSES.format(workers=args.loader_workers), total)
 
 
-def _worker_loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
-    """The multi-worker rows: both modes with slots, batch mode without, and the no-hand-off ceiling."""
+def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
+    """The DataLoader rows: both modes with 0 and ``workers`` workers, batch mode with stock queues and
+    without slots, and the no-hand-off ceiling."""
     return {
+        _loader_name(False, 0): _loader(engine, workload, False, 0),
+        _loader_name(True, 0): _loader(engine, workload, True, 0),
         _loader_name(False, workers): _loader(engine, workload, False, workers),
         _loader_name(True, workers): _loader(engine, workload, True, workers),
+        _loader_name(False, workers, STOCK): _loader(engine, workload, False, workers, stock_queues=True),
         _loader_name(False, workers, NO_SLOTS): _loader(engine, workload, False, workers, worker_slots=0),
         _loader_name(False, workers, CEILING): DataLoader(
-            _SampleWithoutSending(engine, workload), batch_size=None, num_workers=workers
+            _SampleWithoutSending(engine, workload),
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context=loader_context(),
         ),
     }
 
 
 NO_SLOTS = "worker_slots=0"
+STOCK = "stock multiprocessing.Queue"
 CEILING = "ceiling: batches sampled, not sent"
 PROCESSES = "{workers} processes sampling side by side, no DataLoader"
 
@@ -234,18 +259,13 @@ def throughput_section(args: Args, engine, workload: Workload, title: str) -> No
     candidates = {"raw gather (same keys)": raw, **_engine_candidates(engine, workload)}
     candidates["raw gather, whole-slice copies (same keys)"] = RawGather(engine, workload, windowed=True)
     candidates["raw gather (payload keys only)"] = RawGather(engine, workload, payload_keys(engine))
-    for item_mode in (False, True):
-        iterator = iter(_loader(engine, workload, item_mode, 0))
-        candidates[_loader_name(item_mode, 0)] = lambda it=iterator: next(it)
     torchrl = make_torchrl_sampler(engine, workload)
     seconds = args.round_seconds(workload)
     rates = interleaved_rates(candidates, args.rounds, seconds)
     if torchrl is not None:
         # TorchRL is 20-100x slower: measured in its own rounds so it does not dominate the run time
         interleaved_rates({"TorchRL SliceSampler": torchrl}, args.rounds, seconds, rates=rates)
-    for name, loader in _worker_loaders(engine, workload, args.loader_workers).items():
-        _loader_rate(name, loader, workload, args, rates)
-    _parallel_processes_rate(engine, workload, args, rates)
+    _loader_rounds(engine, _loaders(engine, workload, args.loader_workers), workload, args, rates)
     _print_throughput(title, workload, rates, raw.bytes_per_batch, torchrl is not None, args.loader_workers)
 
 
@@ -255,17 +275,36 @@ def _print_throughput(
     images = workload.image_size is not None
     table = Table(
         f"{title}: {workload.describe()}, {nbytes / 2**20:.1f} MiB per batch",
-        ["candidate", "batches/s", "ms/batch", "CPU ms/batch", "GB/s", "x TorchRL", "x raw gather"],
+        [
+            "candidate",
+            "batches/s",
+            "ms/batch",
+            "CPU ms/batch",
+            "workers' CPU ms/batch",
+            "GB/s",
+            "x TorchRL",
+            "x raw gather",
+        ],
     )
     raw = rates.median("raw gather (same keys)")
     torchrl = rates.median("TorchRL SliceSampler")
     for name in rates.rounds:
         rate = rates.median(name)
-        cpu = rates.median_cpu_ms(name)
-        table.row(name, rate, 1e3 / rate, cpu, rate * nbytes / 1e9, ratio(rate, torchrl), ratio(rate, raw))
+        cpu, workers_cpu = rates.median_cpu_ms(name), rates.median_helper_cpu_ms(name)
+        row = (
+            rate,
+            1e3 / rate,
+            cpu,
+            workers_cpu,
+            rate * nbytes / 1e9,
+            ratio(rate, torchrl),
+            ratio(rate, raw),
+        )
+        table.row(name, *row)
     print(
         "\nCPU ms/batch: CPU time of the calling thread per batch (DataLoader rows with workers: the "
-        "trainer's share only); wall-clock rates include whatever else the machine runs."
+        "trainer's share only). Workers' CPU ms/batch: all DataLoader workers together, from /proc "
+        "(10 ms ticks). Wall-clock rates include whatever else the machine runs."
     )
     if not has_torchrl:
         print("\nTorchRL not importable: `pip install torchrl` to add the TorchRL rows.")
@@ -285,6 +324,8 @@ def _print_throughput(
         targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, "report (memory bus)", "-")
     else:
         targets.row(f"OnlineDataset batch mode, {workers} / 0 workers", value, ">= 1.5", check(value, 1.5))
+    stock = rates.median(_loader_name(False, workers, STOCK))
+    targets.row(f"  same, {STOCK} (DataLoader's default)", ratio(stock, loader0), "report", "-")
     without = rates.median(_loader_name(False, workers, NO_SLOTS))
     ceiling = rates.median(_loader_name(False, workers, CEILING))
     label = f"  same, {NO_SLOTS} (a new shared segment per batch)"
