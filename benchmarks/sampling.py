@@ -49,6 +49,7 @@ from _workload import (
     payload_keys,
 )
 from simstream.data import OnlineDataset, loader_context
+from simstream.sampling.gather import BatchLayout
 
 Section = Literal["lowdim", "images", "publication", "latency", "scaling"]
 ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency", "scaling")
@@ -133,19 +134,22 @@ class _SampleWithoutSending(IterableDataset):
     """Workers that sample batches like ``OnlineDataset`` but send the trainer only a counter.
 
     The ceiling of any hand-off design: what ``DataLoader`` workers deliver on this machine when moving a
-    batch to the trainer costs nothing.
+    batch to the trainer costs nothing. With ``arenas > 1`` the worker writes its batches into that many
+    shared output arenas in turn, as a worker cycling through output slots does (the batches in flight
+    plus the one the trainer holds): the cost of writing into an arena that has left the cache.
     """
 
-    def __init__(self, engine, workload: Workload) -> None:
-        self.engine, self.workload = engine, workload
+    def __init__(self, engine, workload: Workload, arenas: int = 1) -> None:
+        self.engine, self.workload, self.arenas = engine, workload, arenas
 
     def __iter__(self):
         b, c = self.workload.batch_size, self.workload.chunk_size
         generator = torch.Generator().manual_seed(get_worker_info().id)
-        out = self.engine.sample_batch(b, c, generator=generator)
+        layout = BatchLayout.of(self.engine.shared_buffer, (b, c))
+        outs = [layout.empty(shared=self.arenas > 1) for _ in range(self.arenas)]
         count = 0
         while True:
-            self.engine.sample_batch(b, c, generator=generator, out=out)
+            self.engine.sample_batch(b, c, generator=generator, out=outs[count % self.arenas])
             count += 1
             yield count
 
@@ -237,19 +241,27 @@ def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
             num_workers=workers,
             multiprocessing_context=loader_context(),
         ),
+        _loader_name(False, workers, ROTATING): DataLoader(
+            _SampleWithoutSending(engine, workload, arenas=ROTATING_ARENAS),
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context=loader_context(),
+        ),
     }
 
 
 NO_SLOTS = "worker_slots=0"
 STOCK = "stock multiprocessing.Queue"
 CEILING = "ceiling: batches sampled, not sent"
+ROTATING_ARENAS = 4
+ROTATING = f"same, sampled into {ROTATING_ARENAS} shared arenas in turn"
 PROCESSES = "{workers} processes sampling side by side, no DataLoader"
 
 
 def _loader_name(item_mode: bool, workers: int, variant: str = "") -> str:
     name = f"OnlineDataset {'item' if item_mode else 'batch'} mode, {workers} workers"
-    if variant == CEILING:
-        return f"{workers} workers, {CEILING}"
+    if variant in (CEILING, ROTATING):
+        return f"{workers} workers, {variant}"
     return f"{name}, {variant}" if variant else name
 
 
@@ -332,6 +344,8 @@ def _print_throughput(
     targets.row(label, ratio(without, loader0), "report", "-")
     targets.row(f"  {workers} workers, {CEILING} / 0 workers", ratio(ceiling, loader0), "report", "-")
     targets.row("  OnlineDataset batch mode / that ceiling", ratio(loader2, ceiling), "report", "-")
+    rotating = rates.median(_loader_name(False, workers, ROTATING))
+    targets.row(f"  {workers} workers, {ROTATING} / 0 workers", ratio(rotating, loader0), "report", "-")
     processes = rates.median(PROCESSES.format(workers=workers))
     label = f"  {PROCESSES.format(workers=workers)}, / 1 (sample_batch)"
     targets.row(label, ratio(processes, engine), "report", "-")

@@ -77,6 +77,7 @@ def test_sampling_quick_prints_every_table(quick_runs):
         "| OnlineDataset batch mode, 2 workers, worker_slots=0 |",
         "| OnlineDataset batch mode, 2 workers, stock multiprocessing.Queue |",
         "| 2 workers, ceiling: batches sampled, not sent |",
+        "| 2 workers, same, sampled into 4 shared arenas in turn |",
         "| 2 processes sampling side by side, no DataLoader |",
         "| sample_batch / raw gather (same keys) |",
         "| cold cache: sample_batch growth, 16 -> 48 |",
