@@ -7,7 +7,9 @@ block instead of per item.
 Inside a ``DataLoader`` worker, batches (batch mode) and collated items (item mode) are written straight
 into shared memory, into output slots the worker reuses once the trainer has dropped a batch (see
 :mod:`simstream.data.worker_slots`): a batch then crosses to the trainer as a small reference instead of a
-new shared-memory segment, file descriptor and mapping per batch.
+new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineDataset.loader` builds the
+``DataLoader`` for the dataset's mode, with queues that skip ``multiprocessing.Queue``'s feeder threads
+(see :mod:`simstream.data.loader_context`).
 """
 
 from __future__ import annotations
