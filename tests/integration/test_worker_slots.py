@@ -135,9 +135,14 @@ def test_a_referenced_batch_is_never_rewritten_and_is_released_once_dropped(kind
         assert np.array_equal(_held_values(held), before)
         assert _released(held_arena) is False
         del held
-        for _ in range(4):  # arrivals from both workers run the release pass
-            next(iterator)
-        assert _released(held_arena) is True
+        # arrivals from its worker run the release pass; once FREE the worker may write the slot again at
+        # once (and send it back), so either outcome shows the release
+        back = False
+        for _ in range(40):
+            back = _arena(next(iterator)) == held_arena or _released(held_arena) is True
+            if back:
+                break
+        assert back, "the dropped batch's slot was never released"
         assert engine.get_stats()["requested_generation"] >= 2  # rows were rewritten meanwhile
 
 
