@@ -77,6 +77,9 @@ class Rates:
         values = self.helper_cpu_ms.get(name)
         return statistics.median(values) if values else float("nan")
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.rounds
+
 
 def process_cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU seconds the processes ``pids`` have used so far (Linux ``/proc``; else NaN)."""
@@ -89,9 +92,6 @@ def process_cpu_seconds(pids: Iterable[int]) -> float:
             return float("nan")
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.rounds
 
 
 def interleaved_rates(

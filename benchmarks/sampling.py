@@ -235,19 +235,15 @@ def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
         _loader_name(True, workers): _loader(engine, workload, True, workers),
         _loader_name(False, workers, STOCK): _loader(engine, workload, False, workers, stock_queues=True),
         _loader_name(False, workers, NO_SLOTS): _loader(engine, workload, False, workers, worker_slots=0),
-        _loader_name(False, workers, CEILING): DataLoader(
-            _SampleWithoutSending(engine, workload),
-            batch_size=None,
-            num_workers=workers,
-            multiprocessing_context=loader_context(),
-        ),
-        _loader_name(False, workers, ROTATING): DataLoader(
-            _SampleWithoutSending(engine, workload, arenas=ROTATING_ARENAS),
-            batch_size=None,
-            num_workers=workers,
-            multiprocessing_context=loader_context(),
-        ),
+        _loader_name(False, workers, CEILING): _ceiling_loader(engine, workload, workers, arenas=1),
+        _loader_name(False, workers, ROTATING): _ceiling_loader(engine, workload, workers, ROTATING_ARENAS),
     }
+
+
+def _ceiling_loader(engine, workload: Workload, workers: int, arenas: int) -> DataLoader:
+    """Workers sampling like ``OnlineDataset`` into ``arenas`` outputs, sending counters (direct queues)."""
+    dataset = _SampleWithoutSending(engine, workload, arenas)
+    return DataLoader(dataset, batch_size=None, num_workers=workers, multiprocessing_context=loader_context())
 
 
 NO_SLOTS = "worker_slots=0"
@@ -303,16 +299,8 @@ def _print_throughput(
     for name in rates.rounds:
         rate = rates.median(name)
         cpu, workers_cpu = rates.median_cpu_ms(name), rates.median_helper_cpu_ms(name)
-        row = (
-            rate,
-            1e3 / rate,
-            cpu,
-            workers_cpu,
-            rate * nbytes / 1e9,
-            ratio(rate, torchrl),
-            ratio(rate, raw),
-        )
-        table.row(name, *row)
+        gb_s = rate * nbytes / 1e9
+        table.row(name, rate, 1e3 / rate, cpu, workers_cpu, gb_s, ratio(rate, torchrl), ratio(rate, raw))
     print(
         "\nCPU ms/batch: CPU time of the calling thread per batch (DataLoader rows with workers: the "
         "trainer's share only). Workers' CPU ms/batch: all DataLoader workers together, from /proc "
