@@ -20,18 +20,9 @@ from simstream import OnlineDataEngine
 from simstream.data import OnlineDataset, loader_context
 from simstream.data.loader_context import DirectQueue
 from tests.support.engines import make_cfg
-from tests.support.sources import ScriptedSpec
+from tests.support.sources import ScriptedSpec, assert_whole_chunks
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _assert_whole_chunks(batch) -> None:
-    """Every chunk is consecutive valid frames of one episode (``obs`` = tag, frame index, worker)."""
-    obs = batch["obs"]
-    assert bool(batch["valid"].all())
-    assert bool((obs[:, 1:, 1] - obs[:, :-1, 1] == 1).all())
-    assert bool((obs[:, :, 0] == obs[:, :1, 0]).all())
-    assert bool((batch["actions"][..., 0] == obs[..., 0]).all())
 
 
 def _feeder_threads() -> list[str]:
@@ -56,7 +47,7 @@ def test_loader_streams_whole_batches_without_feeder_threads(method):
             for _ in range(30):
                 batch = next(iterator)
                 assert batch.batch_size == torch.Size([8, 4])
-                _assert_whole_chunks(batch)
+                assert_whole_chunks(batch)
                 workers.update(batch["obs"][..., 2].unique().tolist())
             # the trainer put 30+ indices into the workers' queues: a multiprocessing.Queue would have
             # started a feeder thread here for each of them
@@ -75,7 +66,7 @@ def test_item_mode_loader_collates_chunks():
             for _ in range(8):
                 batch = next(iterator)
                 assert batch.batch_size == torch.Size([6, 5])
-                _assert_whole_chunks(batch)
+                assert_whole_chunks(batch)
         finally:
             iterator._shutdown_workers()
 

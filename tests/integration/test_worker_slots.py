@@ -21,7 +21,7 @@ from simstream.data import worker_slots as slots_module
 from simstream.data.worker_slots import WorkerSlots
 from simstream.sampling.gather import BatchLayout
 from tests.support.engines import make_cfg
-from tests.support.sources import ScriptedSpec
+from tests.support.sources import ScriptedSpec, assert_whole_chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,15 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 def _arena(batch) -> int:
     """Address of the memory a batch's keys live in (one arena per batch)."""
     return batch["obs"].untyped_storage().data_ptr()
-
-
-def _assert_whole_chunks(batch) -> None:
-    """Every chunk is consecutive valid frames of one episode (``obs`` = tag, frame index, worker)."""
-    obs = batch["obs"]
-    assert bool(batch["valid"].all())
-    assert bool((obs[:, 1:, 1] - obs[:, :-1, 1] == 1).all())
-    assert bool((obs[:, :, 0] == obs[:, :1, 0]).all())
-    assert bool((batch["actions"][..., 0] == obs[..., 0]).all())
 
 
 def _loader(engine, *, workers: int = 2, context: str = "fork", worker_slots: int = 6, **dataset_kwargs):
@@ -76,7 +67,7 @@ def test_worker_batches_are_whole_chunks_in_reused_slots(context):
         with _iterating(_loader(engine, context=context)) as iterator:
             for _ in range(40):
                 batch = next(iterator)
-                _assert_whole_chunks(batch)
+                assert_whole_chunks(batch)
                 arenas.append(_arena(batch))
                 del batch
     # 40 batches from 2 workers came from at most 2 x 6 slots, each written again and again
@@ -155,7 +146,7 @@ def test_batches_kept_beyond_the_slots_fall_back_to_fresh_memory():
                 next(iterator)
         assert len({_arena(batch) for batch in kept}) == 10
         for batch, copy in zip(kept, copies):
-            _assert_whole_chunks(batch)
+            assert_whole_chunks(batch)
             assert (batch == copy).all()
 
 
@@ -173,7 +164,7 @@ def test_transforms_in_workers_travel_with_or_without_slot_views(worker_slots):
                 assert set(selected.keys()) == {"obs", "valid"}
                 assert bool(selected["valid"].all())
                 assert bool((selected["obs"][:, 1:, 1] - selected["obs"][:, :-1, 1] == 1).all())
-                _assert_whole_chunks(next(copies))
+                assert_whole_chunks(next(copies))
 
 
 def test_without_slots_every_batch_is_fresh_memory():
@@ -194,7 +185,7 @@ def test_item_mode_collates_into_slots():
             for _ in range(24):
                 batch = next(iterator)
                 assert batch.batch_size == torch.Size([6, 4])
-                _assert_whole_chunks(batch)
+                assert_whole_chunks(batch)
                 arenas.append(_arena(batch))
                 del batch
         assert len(set(arenas)) <= 12

@@ -145,3 +145,12 @@ class ScriptedSource:
             raise OSError("flush failed while closing the source")
         if self.spec.close_fault == "hang":
             threading.Event().wait(3600)
+
+
+def assert_whole_chunks(batch) -> None:
+    """Every chunk of ``batch`` is consecutive valid frames of one ``ScriptedSource`` episode."""
+    obs = batch["obs"]
+    assert bool(batch["valid"].all())
+    assert bool((obs[:, 1:, 1] - obs[:, :-1, 1] == 1).all())
+    assert bool((obs[:, :, 0] == obs[:, :1, 0]).all())
+    assert bool((batch["actions"][..., 0] == obs[..., 0]).all())

@@ -158,16 +158,16 @@ class OnlineDataset(IterableDataset):
         """
         if type(num_workers) is not int or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}.")
-        if self.batch_size is not None and batch_size is not None:
+        item_mode = self.batch_size is None
+        if not item_mode and batch_size is not None:
             raise ValueError(
                 f"batch_size must be None in batch mode: the dataset already yields batches of "
                 f"{self.batch_size} chunks, got batch_size={batch_size!r}."
             )
-        if self.batch_size is None and (type(batch_size) is not int or batch_size < 1):
+        if item_mode and (type(batch_size) is not int or batch_size < 1):
             raise ValueError(
                 f"batch_size must be an int >= 1 in item mode (chunks per batch), got {batch_size!r}."
             )
-        item_mode = self.batch_size is None
         dataloader_kwargs.setdefault(
             "collate_fn", self.collate_fn if item_mode else self.passthrough_collate_fn
         )
