@@ -239,3 +239,42 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
         return True
 
     wait_until(all_gone, 10, "orphaned producers to exit")
+
+
+_UNGUARDED_SCRIPT = """
+from simstream import OnlineDataEngine
+from tests.support.engines import make_cfg
+
+# No `if __name__ == "__main__":` guard: every forkserver producer re-runs this module, and the
+# engine it builds there fails to start its own producer.
+engine = OnlineDataEngine(make_cfg())
+try:
+    engine.start()
+except RuntimeError as error:
+    notes = getattr(error, "__notes__", [])
+    print("child", engine.state.value, "bootstrapping phase" in str(error), notes, flush=True)
+else:
+    engine.stop()
+    print("owner", engine.state.value, flush=True)
+"""
+
+
+def test_a_producer_that_cannot_be_started_fails_start_cleanly(tmp_path):
+    """A process whose start() raises is not registered, so cleanup does not try to join it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    lines = sorted(result.stdout.splitlines())
+    assert lines == ["child FAILED True []", "owner STOPPED"], result.stdout + result.stderr[-3000:]

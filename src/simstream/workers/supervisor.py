@@ -151,8 +151,8 @@ class WorkerSupervisor:
                 name=spec.label,
                 daemon=self._daemon,
             )
+            process.start()  # registered only once started: shutdown() joins what it holds
             self._processes[spec.label] = process
-            process.start()
         self._monitor = threading.Thread(
             target=_monitor_workers,
             args=(
