@@ -186,6 +186,29 @@ def test_sampling_argument_errors():
             engine.sample_batch_with_context(1, 2, 2, generations=(1,))
 
 
+def test_sample_batch_out_is_checked_before_any_write():
+    with OnlineDataEngine(make_cfg(ScriptedSpec(max_episode_steps=20))) as engine:
+        generator = torch.Generator().manual_seed(0)
+        out = engine.sample_batch(3, 4, generator=generator)
+        expected = engine.sample_batch(3, 4, generator=torch.Generator().manual_seed(1))
+        assert engine.sample_batch(3, 4, generator=torch.Generator().manual_seed(1), out=out) is out
+        assert (out == expected).all()
+        before = out.clone()
+        first_key = "/".join(engine._sampler.gatherer._paths[0])
+        with pytest.raises(KeyError, match=f"out has no key '{first_key}'"):
+            engine.sample_batch(3, 4, out=out.exclude(engine._sampler.gatherer._paths[0]))
+        with pytest.raises(ValueError, match=r"must be a contiguous .* of shape \(3, 5"):
+            engine.sample_batch(3, 5, out=out)
+        wrong_dtype = out.clone()
+        wrong_dtype.set("valid", wrong_dtype.get("valid").to(torch.int64))
+        with pytest.raises(ValueError, match=r"out\['valid'\] must be a contiguous torch.bool tensor"):
+            engine.sample_batch(3, 4, out=wrong_dtype)
+        strided = engine.sample_batch(4, 3).transpose(0, 1)
+        with pytest.raises(ValueError, match=rf"out\['{first_key}'\] .* got .* \(not contiguous\)\."):
+            engine.sample_batch(3, 4, out=strided)
+        assert (out == before).all()
+
+
 def test_del_of_an_unstopped_owner_engine_stops_its_workers():
     engine = OnlineDataEngine(make_cfg())
     engine.start()

@@ -157,13 +157,16 @@ class OnlineDataEngine(EngineLifecycle):
             sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
             generator: Optional RNG for reproducible draws.
             out: Optional preallocated TensorDict ``[batch_size, chunk_size]`` (e.g. from a previous call)
-                to copy into, avoiding a fresh allocation for large batches.
+                to copy into, avoiding a fresh allocation for large batches. Every buffer key is checked
+                before anything is written; extra keys are left alone.
 
         Returns:
             A TensorDict ``[batch_size, chunk_size]`` with every buffer key, owning its memory.
 
         Raises:
-            ValueError: an argument is out of range.
+            ValueError: an argument is out of range, or a key of ``out`` is not a contiguous tensor of
+                the buffer's dtype and shape ``[batch_size, chunk_size, *frame]``.
+            KeyError: ``out`` lacks a buffer key.
             DataUnavailableError: no eligible window right now (producers keep running).
             DataBudgetExhaustedError: the eligible episodes' quotas cannot supply the batch; nothing charged.
             RuntimeError: the engine is not READY, or a producer's original exception.

@@ -224,16 +224,38 @@ class BatchGatherer:
         """
         n, length = frames.shape
         if out is not None:
-            targets = []
-            for path in self._paths:
-                target = out.get(path)
-                targets.append((target.view(n * length, *target.shape[2:]), target))
-            self._copy(frames, targets)
+            self._copy(frames, self._out_targets(out, n, length))
             return out
         layout = self.layout(n, length)
         targets, leaves = self.pool.acquire((n, length), layout.nbytes, lambda base: _targets(layout, base))
         self._copy(frames, targets)
         return layout.tensordict(leaves)
+
+    def _out_targets(
+        self, out: TensorDict, n: int, length: int
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """``(None, shaped)`` write targets of every stored key in ``out``, checked before any write.
+
+        The flat view a per-frame gather needs is made by :meth:`_copy` for the keys that use it.
+        """
+        # one pass over out's leaves: a nested ``out.get`` per key cost more than the checks
+        leaves = {
+            key if type(key) is tuple else (key,): leaf
+            for key, leaf in out.items(include_nested=True, leaves_only=True)
+        }
+        targets = []
+        for path, dtype, frame in zip(self._paths, self._dtypes, self._frames):
+            target = leaves.get(path)
+            if target is None:
+                raise KeyError(f"out has no key {'/'.join(path)!r}; pass a batch from sample_batch as out.")
+            if target.dtype is not dtype or target.shape != (n, length, *frame) or not target.is_contiguous():
+                raise ValueError(
+                    f"out[{'/'.join(path)!r}] must be a contiguous {dtype} tensor of shape "
+                    f"{(n, length, *frame)}, got {target.dtype} {tuple(target.shape)}"
+                    f"{'' if target.is_contiguous() else ' (not contiguous)'}."
+                )
+            targets.append((None, target))
+        return targets
 
     def empty(self, n: int, length: int) -> TensorDict:
         """A fresh, unpooled batch ``[n, length]`` of the buffer's keys (one arena).
@@ -259,7 +281,9 @@ class BatchGatherer:
             for position, row in enumerate(rows):
                 target[row].copy_(source[position])
 
-    def _copy(self, frames: torch.Tensor | ChunkFrames, targets: list[tuple[torch.Tensor, ...]]) -> None:
+    def _copy(
+        self, frames: torch.Tensor | ChunkFrames, targets: list[tuple[torch.Tensor | None, torch.Tensor]]
+    ) -> None:
         if isinstance(frames, ChunkFrames):
             windows = self._window_views(frames.length)
             flat_index = None
@@ -269,11 +293,11 @@ class BatchGatherer:
                     continue
                 if flat_index is None:
                     flat_index = frames.to_index().view(-1)
-                torch.index_select(source, 0, flat_index, out=flat)
+                torch.index_select(source, 0, flat_index, out=_flat(flat, shaped))
             return
         flat_index = frames.reshape(-1)
-        for source, (flat, _) in zip(self._sources, targets):
-            torch.index_select(source, 0, flat_index, out=flat)
+        for source, (flat, shaped) in zip(self._sources, targets):
+            torch.index_select(source, 0, flat_index, out=_flat(flat, shaped))
 
     def _window_views(self, length: int) -> list[torch.Tensor | None]:
         """Per key, an overlapping view ``[frames - length + 1, length, *frame]`` (or None: gather frames)."""
@@ -291,6 +315,11 @@ class BatchGatherer:
                 self._windows.clear()
             self._windows[length] = views
         return views
+
+
+def _flat(flat: torch.Tensor | None, shaped: torch.Tensor) -> torch.Tensor:
+    """The ``[n * L, *frame]`` view of a target ``[n, L, *frame]`` (``flat`` when already made)."""
+    return flat if flat is not None else shaped.view(-1, *shaped.shape[2:])
 
 
 def _targets(layout: BatchLayout, arena: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
