@@ -76,8 +76,8 @@ class _Slot:
     sent: bool = False
     layout_sent: bool = False
     last_used: int = 0
-    items: list[tuple[tuple[str, ...], torch.Tensor]] = field(default_factory=list)
-    """``(path, leaf)`` in the order a batch of this slot lists its leaves (to recognise one)."""
+    signature: list[tuple] = field(default_factory=list)
+    """What :func:`_signature` gives for a batch as :meth:`WorkerSlots.acquire` hands it out."""
 
 
 class WorkerSlots:
@@ -145,10 +145,7 @@ class WorkerSlots:
         anchor = shared_arena(layout.nbytes)
         slot = _Slot(layout, anchor, layout.carve(anchor), 0 if old is None else old.generation + 1)
         batch = layout.tensordict(slot.leaves)
-        slot.items = [
-            (key if isinstance(key, tuple) else (key,), leaf)
-            for key, leaf in batch.items(include_nested=True, leaves_only=True)
-        ]
+        slot.signature = _signature(list(batch.items(include_nested=True, leaves_only=True)))
         del batch
         slot.baseline = _counts(anchor)
         self._slots[index] = slot
@@ -194,26 +191,25 @@ class WorkerSlots:
         """
         items = list(batch.items(include_nested=True, leaves_only=True))
         first = items[0][1] if items else None
-        if type(first) is not torch.Tensor or first.device.type != "cpu":
+        if type(first) is not torch.Tensor or not first.is_cpu:
             return None
         index = self.slot_of(first.untyped_storage())
         if index is None:
             return None
         slot = self._slots[index]
-        if tuple(batch.batch_size) != slot.layout.batch_shape or len(items) != len(slot.items):
+        if batch.batch_size != slot.layout.batch_shape or _signature(items) != slot.signature:
             return None
-        for (key, leaf), (path, mine) in zip(items, slot.items):
-            if (
-                (key if isinstance(key, tuple) else (key,)) != path
-                or type(leaf) is not torch.Tensor
-                or leaf.requires_grad
-                or leaf.data_ptr() != mine.data_ptr()
-                or leaf.dtype != mine.dtype
-                or leaf.shape != mine.shape
-                or leaf.stride() != mine.stride()
-            ):
-                return None
         return (_receive_slot_batch, self._handover(index, whole_batch=True))
+
+
+def _signature(items: list[tuple[object, object]]) -> list[tuple | None]:
+    """Per leaf of a batch: key, address, shape, strides and dtype (``None`` for a leaf no slot holds)."""
+    return [
+        (key, leaf.data_ptr(), leaf.shape, leaf.stride(), leaf.dtype)
+        if type(leaf) is torch.Tensor and not leaf.requires_grad
+        else None
+        for key, leaf in items
+    ]
 
 
 _WORKER_SLOTS: WorkerSlots | None = None
