@@ -237,6 +237,22 @@ def test_release_protocol_frees_a_slot_only_after_the_trainer_drops_it():
     assert received_third["obs"].tolist() == [[3.0] * 3] * 4
 
 
+def test_an_arrival_from_any_worker_frees_every_worker_s_dropped_slots():
+    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    worker_a, worker_b = WorkerSlots(max_slots=2), WorkerSlots(max_slots=2)
+    batch = worker_a.acquire(layout)
+    arena_a = _pointer(batch)
+    received_a = _send(worker_a, batch)
+    del batch, received_a  # the trainer is done with worker A's batch
+    batch = worker_b.acquire(layout)
+    received_b = _send(worker_b, batch)  # a batch of worker B arrives
+    del batch
+    # worker A writes its next batch into the slot it wrote last, not into a second, colder one
+    assert _pointer(worker_a.acquire(layout)) == arena_a and worker_a.fallbacks == 0
+    assert worker_a._slots[1] is None
+    del received_b
+
+
 def test_receiving_a_slot_of_an_unknown_worker_or_generation_fails_clearly():
     with pytest.raises(RuntimeError, match="never received its slot table"):
         slots_module._receive_slot((1, "unknown-pool"), 0, 0, None, None)

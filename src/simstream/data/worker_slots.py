@@ -10,7 +10,7 @@ trainer rebuilds the batch's tensors on the storage it already maps.
 Release protocol, one shared int64 flag per slot:
 
 * the worker marks a slot HANDED when a tensor viewing it is pickled (in the queue's feeder thread);
-* the trainer process, each time it receives a batch from that worker, marks FREE every slot it received
+* the trainer process, each time it receives a batch from any worker, marks FREE every slot it received
   earlier that nothing in the trainer process references any more (no tensor, view, storage object or
   NumPy array: the storage's use count and its storage object's Python reference count are those of the
   registry alone, the check :class:`~simstream.sampling.gather.ArenaPool` makes in-process);
@@ -335,7 +335,7 @@ def _arrive(
     storage: torch.UntypedStorage | None,
     flags: torch.UntypedStorage | None,
 ) -> _ReceivedSlot:
-    """Register a slot arriving in the trainer process; free the slots of its worker nobody references.
+    """Register a slot arriving in the trainer process; free the slots nobody references.
 
     Call with ``_RECEIVED_LOCK`` held.
     """
@@ -359,7 +359,11 @@ def _arrive(
             f"[OnlineDataset] A DataLoader worker (pid {key[0]}) sent output slot {index} "
             f"(generation {generation}) by reference before its storage reached this process."
         )
-    pool.release_unused(_idle_counts())
+    # every worker's dropped slots, not only this one's: a slot returns to its worker a batch sooner,
+    # so workers cycle through fewer slots and write into arenas still in the cache
+    idle = _idle_counts()
+    for received in _RECEIVED.values():
+        received.release_unused(idle)
     slot.received = True
     return slot
 
