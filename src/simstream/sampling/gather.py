@@ -349,11 +349,11 @@ class BatchLayout:
     def of(cls, template: TensorDict, batch_shape: tuple[int, ...]) -> BatchLayout:
         """The layout of a batch of ``batch_shape`` with ``template``'s keys, dtypes and frame shapes."""
         paths, dtypes, frames = [], [], []
-        for key in template.keys(include_nested=True, leaves_only=True):
-            leaf = template.get(key)
-            paths.append(key if isinstance(key, tuple) else (key,))
+        dims = template.batch_dims
+        for key, leaf in template.items(include_nested=True, leaves_only=True):
+            paths.append(key if type(key) is tuple else (key,))
             dtypes.append(leaf.dtype)
-            frames.append(tuple(leaf.shape[template.batch_dims :]))
+            frames.append(tuple(leaf.shape[dims:]))
         return cls(tuple(paths), tuple(dtypes), tuple(frames), tuple(batch_shape))
 
     @cached_property
