@@ -243,7 +243,10 @@ def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
 def _ceiling_loader(engine, workload: Workload, workers: int, arenas: int) -> DataLoader:
     """Workers sampling like ``OnlineDataset`` into ``arenas`` outputs, sending counters (direct queues)."""
     dataset = _SampleWithoutSending(engine, workload, arenas)
-    return DataLoader(dataset, batch_size=None, num_workers=workers, multiprocessing_context=loader_context())
+    context = loader_context()  # the queues and batch order OnlineDataset.loader uses
+    return DataLoader(
+        dataset, batch_size=None, num_workers=workers, multiprocessing_context=context, in_order=False
+    )
 
 
 NO_SLOTS = "worker_slots=0"
