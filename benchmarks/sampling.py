@@ -244,10 +244,8 @@ def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
 def _ceiling_loader(engine, workload: Workload, workers: int, arenas: int) -> DataLoader:
     """Workers sampling like ``OnlineDataset`` into ``arenas`` outputs, sending counters (direct queues)."""
     dataset = _SampleWithoutSending(engine, workload, arenas)
-    context = loader_context()  # the queues and batch order OnlineDataset.loader uses
-    return DataLoader(
-        dataset, batch_size=None, num_workers=workers, multiprocessing_context=context, in_order=False
-    )
+    context = loader_context()  # the queues OnlineDataset.loader uses
+    return DataLoader(dataset, batch_size=None, num_workers=workers, multiprocessing_context=context)
 
 
 NO_SLOTS = "worker_slots=0"

@@ -214,6 +214,3 @@ def test_loader_num_workers_range(workers):
         loader = dataset.loader(num_workers=workers)
         assert loader.num_workers == workers and loader.batch_size is None
         assert (loader.multiprocessing_context is None) == (workers == 0)
-        # with workers, batches come in the order workers finish them unless the caller asks otherwise
-        assert loader.in_order is (workers == 0)
-        assert dataset.loader(num_workers=workers, in_order=True).in_order is True

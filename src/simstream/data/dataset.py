@@ -14,7 +14,6 @@ new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineD
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -29,8 +28,6 @@ from .loader_context import loader_context
 from .worker_slots import worker_batch, worker_slots
 
 __all__ = ["OnlineDataset"]
-
-_DATALOADER_TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 
 
 class OnlineDataset(IterableDataset):
@@ -157,10 +154,7 @@ class OnlineDataset(IterableDataset):
                 (item mode) or :meth:`passthrough_collate_fn` (batch mode). With workers,
                 ``multiprocessing_context`` defaults to :func:`~simstream.data.loader_context`, whose queues
                 skip ``multiprocessing.Queue``'s feeder threads; a start-method name is wrapped in it, a
-                context object is used as given. ``in_order`` defaults to ``False`` (torch >= 2.6):
-                batches arrive in the order workers finish them, so a worker is never idle waiting for
-                another's batch to be taken first. Each worker's own stream stays seeded; only the
-                interleaving of workers varies (pass ``in_order=True`` for a fixed interleaving).
+                context object is used as given.
         """
         if type(num_workers) is not int or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}.")
@@ -181,9 +175,6 @@ class OnlineDataset(IterableDataset):
             context = dataloader_kwargs.get("multiprocessing_context")
             if context is None or isinstance(context, str):
                 dataloader_kwargs["multiprocessing_context"] = loader_context(context)
-            if _DATALOADER_TAKES_IN_ORDER:
-                # a worker that finished first is not held back behind a slower one (see docstring)
-                dataloader_kwargs.setdefault("in_order", False)
         return DataLoader(self, batch_size=batch_size, num_workers=num_workers, **dataloader_kwargs)
 
     @staticmethod
