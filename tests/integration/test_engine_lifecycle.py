@@ -195,7 +195,7 @@ def test_sample_batch_out_is_checked_before_any_write():
         assert (out == expected).all()
         before = out.clone()
         first_key = "/".join(engine._sampler.gatherer._paths[0])
-        with pytest.raises(KeyError, match=f"out has no key '{first_key}'"):
+        with pytest.raises(KeyError, match=f"out has no tensor at '{first_key}'"):
             engine.sample_batch(3, 4, out=out.exclude(engine._sampler.gatherer._paths[0]))
         with pytest.raises(ValueError, match=r"must be a contiguous .* of shape \(3, 5"):
             engine.sample_batch(3, 5, out=out)
@@ -206,6 +206,10 @@ def test_sample_batch_out_is_checked_before_any_write():
         strided = engine.sample_batch(4, 3).transpose(0, 1)
         with pytest.raises(ValueError, match=rf"out\['{first_key}'\] .* got .* \(not contiguous\)\."):
             engine.sample_batch(3, 4, out=strided)
+        not_a_tensor = out.clone()
+        not_a_tensor.set_non_tensor("valid", "yes")
+        with pytest.raises(KeyError, match="out has no tensor at 'valid'"):
+            engine.sample_batch(3, 4, out=not_a_tensor)
         assert (out == before).all()
 
 

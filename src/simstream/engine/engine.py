@@ -166,7 +166,7 @@ class OnlineDataEngine(EngineLifecycle):
         Raises:
             ValueError: an argument is out of range, or a key of ``out`` is not a contiguous tensor of
                 the buffer's dtype and shape ``[batch_size, chunk_size, *frame]``.
-            KeyError: ``out`` lacks a buffer key.
+            KeyError: ``out`` has no tensor at a buffer key.
             DataUnavailableError: no eligible window right now (producers keep running).
             DataBudgetExhaustedError: the eligible episodes' quotas cannot supply the batch; nothing charged.
             RuntimeError: the engine is not READY, or a producer's original exception.

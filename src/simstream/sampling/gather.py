@@ -247,7 +247,9 @@ class BatchGatherer:
         for path, dtype, frame in zip(self._paths, self._dtypes, self._frames):
             target = leaves.get(path)
             if target is None:
-                raise KeyError(f"out has no key {'/'.join(path)!r}; pass a batch from sample_batch as out.")
+                raise KeyError(
+                    f"out has no tensor at {'/'.join(path)!r}; pass a batch from sample_batch as out."
+                )
             if target.dtype is not dtype or target.shape != (n, length, *frame) or not target.is_contiguous():
                 raise ValueError(
                     f"out[{'/'.join(path)!r}] must be a contiguous {dtype} tensor of shape "
