@@ -237,22 +237,26 @@ if __name__ == "__main__":
 """
 
 
-def test_producers_exit_when_the_owner_is_killed(tmp_path):
+def _run_script(path, text: str, timeout: float):
+    """Run ``text`` as the main module of a fresh interpreter, with the repository importable."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = tmp_path / "owner.py"
-    script.write_text(_ORPHAN_SCRIPT)
+    path.write_text(text)
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, str(script)],
+    return subprocess.run(
+        [sys.executable, str(path)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
+
+
+def test_producers_exit_when_the_owner_is_killed(tmp_path):
+    result = _run_script(tmp_path / "owner.py", _ORPHAN_SCRIPT, timeout=60)
     pids = [int(p) for p in result.stdout.split()]
     assert len(pids) == 2, result.stderr[-2000:]
 
@@ -288,20 +292,6 @@ else:
 
 def test_a_producer_that_cannot_be_started_fails_start_cleanly(tmp_path):
     """A process whose start() raises is not registered, so cleanup does not try to join it."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "unguarded.py"
-    script.write_text(_UNGUARDED_SCRIPT)
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )
+    result = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT, timeout=120)
     lines = sorted(result.stdout.splitlines())
     assert lines == ["child FAILED True []", "owner STOPPED"], result.stdout + result.stderr[-3000:]
