@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -76,10 +77,12 @@ class TrajectoryStorage:
             tensor[frames].fill_(spec.padding)
             self.flat[spec.path] = tensor.share_memory_()
         self._metadata_views: dict[str, torch.Tensor] = {}
+        self._metadata_arrays: dict[str, np.ndarray] = {}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_metadata_views"] = {}  # rebuilt on demand in each process
+        state["_metadata_arrays"] = {}
         return state
 
     @property
@@ -106,6 +109,14 @@ class TrajectoryStorage:
             view = self.flat[(name,)][: self.pad_index].view(self.buffer_size, self.max_steps)
             self._metadata_views[name] = view
         return view
+
+    def metadata_array(self, name: str) -> np.ndarray:
+        """A NumPy view of :meth:`metadata` (cached): a row-slice assignment through it costs a fraction
+        of the same assignment through tensor indexing, and a writer makes 13 per episode."""
+        array = self._metadata_arrays.get(name)
+        if array is None:
+            array = self._metadata_arrays[name] = self.metadata(name).numpy()
+        return array
 
     def has(self, name: str) -> bool:
         return (name,) in self.flat

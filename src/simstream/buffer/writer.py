@@ -102,15 +102,6 @@ class EpisodeWriter:
         self.index = index
         self.language = language
         self.run_id = run_id
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def _metadata_array(self, name: str) -> np.ndarray:
-        """A NumPy view of one metadata key ``[buffer_size, T]``: a row slice assignment through it
-        costs a fraction of the equivalent tensor indexing, and a window writes 13 keys per row."""
-        array = self._arrays.get(name)
-        if array is None:
-            array = self._arrays[name] = self.storage.metadata(name).numpy()
-        return array
 
     def claim(self, start: int, end: int) -> None:
         """Take rows ``[start, end)`` away from samplers and reset their metadata to unwritten.
@@ -133,7 +124,7 @@ class EpisodeWriter:
             derived = derive_row_metadata(episode, attempt, self.language)
             length = episode.length
             for name, values in derived.items():
-                self._metadata_array(name)[row, :length] = values
+                self.storage.metadata_array(name)[row, :length] = values
             # frames past the end may hold an older episode or a failed attempt's longer one
             self.storage.poison_payload_tail(row, length)
             row_tables = compute_row_tables(
