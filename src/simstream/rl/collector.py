@@ -7,7 +7,6 @@ comes from exactly one policy version, which it carries in the ring.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from ..workers.supervisor import owner_watch
 from .appo import check_finite
 from .model import ActorCritic, ObsNormalizer, unpack_policy
 from .ring import RolloutRing
@@ -235,11 +235,11 @@ def run_appo_collector(
     Also stops when the learner process is gone (killed without ``close()``), so no collector outlives it.
     """
     torch.set_num_threads(1)
-    parent = mp.parent_process()
+    owner_gone = owner_watch()
     collector = RolloutCollector(spec, ring, weights, beat=heartbeat)
 
     def should_stop() -> bool:
-        return stop_event.is_set() or (parent is not None and not parent.is_alive())
+        return stop_event.is_set() or owner_gone()
 
     try:
         collector.run(should_stop)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
 import pickle
 import time
 
@@ -19,6 +18,7 @@ import torch
 from ..buffer.writer import EpisodeWriter
 from ..engine.shared import EngineShared
 from ..sources import validate_episodes
+from .supervisor import owner_watch
 
 __all__ = ["derive_worker_seed", "run_producer", "window_starts"]
 
@@ -62,13 +62,11 @@ class _Producer:
         self.num_envs = num_envs
         self.source = source
         self.writer = EpisodeWriter(shared.storage, shared.index, shared.language, shared.run_id)
-        self._owner = mp.parent_process()
+        self._owner_gone = owner_watch()
 
     def closing(self) -> bool:
         """Stop when the owner asks, or when the owner process is gone (nobody could ever ask)."""
-        if self.shared.close_event.is_set():
-            return True
-        return self._owner is not None and not self._owner.is_alive()
+        return self.shared.close_event.is_set() or self._owner_gone()
 
     def run(self) -> None:
         progress = self.shared.progress
