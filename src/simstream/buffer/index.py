@@ -18,12 +18,13 @@ the (even) version, reads tables and frames, and re-reads the version; if it cha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["EPISODE", "SEGMENT", "EligibilityIndex", "RowTables", "compute_row_tables"]
+__all__ = ["EPISODE", "SEGMENT", "EligibilityIndex", "RowTables", "compute_row_tables", "segment_row_tables"]
 
 EPISODE, SEGMENT = 0, 1
 """Run modes of the run tables; boundary sampling has its own tables."""
@@ -66,6 +67,28 @@ def compute_row_tables(continuity: np.ndarray, segment_id: np.ndarray, accepted:
     for lo, hi in accepted_runs:
         changes = np.flatnonzero(segment_id[lo + 1 : hi] != segment_id[lo : hi - 1]) + lo + 1
         points.extend((int(p), int(lo), int(hi)) for p in changes)
+    boundaries = np.array(points, dtype=np.int64).reshape(-1, 3)
+    return RowTables(runs=(episode, segment), boundaries=boundaries, valid_frames=length)
+
+
+def segment_row_tables(length: int, segments: Sequence[tuple[int, int, bool]]) -> RowTables:
+    """The tables :func:`compute_row_tables` gives a row without continuity breaks, from its segments.
+
+    ``segments`` are ``(start, end, accepted)``, sorted, disjoint and non-empty inside ``[0, length)`` (what
+    ``validate_episodes`` enforces). With one continuity region the runs follow from the segment list
+    alone: the row's whole length, each accepted segment, and the change points between touching accepted
+    segments. A producer then skips scanning the row's metadata (several times faster per episode).
+    """
+    episode = np.array([[0, length]] if length else [], dtype=np.int64).reshape(-1, 2)
+    accepted = [(start, end) for start, end, ok in segments if ok]
+    segment = np.array(accepted, dtype=np.int64).reshape(-1, 2)
+    touching: list[list[tuple[int, int]]] = []  # accepted segments grouped into accepted runs
+    for start, end in accepted:
+        if touching and touching[-1][-1][1] == start:
+            touching[-1].append((start, end))
+        else:
+            touching.append([(start, end)])
+    points = [(start, run[0][0], run[-1][1]) for run in touching for start, _ in run[1:]]
     boundaries = np.array(points, dtype=np.int64).reshape(-1, 3)
     return RowTables(runs=(episode, segment), boundaries=boundaries, valid_frames=length)
 

@@ -78,11 +78,13 @@ class TrajectoryStorage:
             self.flat[spec.path] = tensor.share_memory_()
         self._metadata_views: dict[str, torch.Tensor] = {}
         self._metadata_arrays: dict[str, np.ndarray] = {}
+        self._payload_tails: list[tuple[np.ndarray | torch.Tensor, float | int]] | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_metadata_views"] = {}  # rebuilt on demand in each process
         state["_metadata_arrays"] = {}
+        state["_payload_tails"] = None
         return state
 
     @property
@@ -135,8 +137,19 @@ class TrajectoryStorage:
         if length >= self.max_steps:
             return
         lo, hi = row * self.max_steps + length, (row + 1) * self.max_steps
-        for spec in self.iter_specs(payload=True):
-            self.flat[spec.path][lo:hi].fill_(spec.unwritten)
+        if self._payload_tails is None:
+            payload = self.iter_specs(payload=True)
+            self._payload_tails = [(_array_or_tensor(self.flat[s.path]), s.unwritten) for s in payload]
+        for flat, unwritten in self._payload_tails:
+            flat[lo:hi] = unwritten
+
+
+def _array_or_tensor(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A NumPy view of ``tensor`` where NumPy has its dtype: slice fills cost a fraction of torch's."""
+    try:
+        return tensor.numpy()
+    except TypeError:  # bfloat16 and other dtypes NumPy lacks
+        return tensor
 
 
 def _nest(tree: dict, path: tuple[str, ...], value: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..sources import Episode
-from .index import EligibilityIndex, RowTables, compute_row_tables
+from .index import EligibilityIndex, RowTables, compute_row_tables, segment_row_tables
 from .storage import TrajectoryStorage
 
 __all__ = ["EpisodeWriter", "PublishedWindow", "derive_row_metadata"]
@@ -38,10 +38,14 @@ class PublishedWindow:
     published_monotonic_ns: int
 
 
-def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, np.ndarray]:
-    """Every metadata key of one row's ``episode.length`` valid frames, as numpy arrays."""
+def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, np.ndarray | int | bool]:
+    """Every metadata key of one row's ``episode.length`` valid frames.
+
+    Keys constant over the episode map to a scalar (stored by broadcasting), the others to an array of
+    ``episode.length`` values.
+    """
     length = episode.length
-    segments = list(episode.segments) or ([_WholeEpisode(length)] if length else [])
+    segments = _segments_of(episode)
     segment_id = np.full(length, -1, dtype=np.int64)
     segment_step = np.full(length, -1, dtype=np.int64)
     accepted = np.zeros(length, dtype=bool)
@@ -54,7 +58,7 @@ def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, n
     for k, segment in enumerate(segments):
         lo, hi = segment.start, segment.end
         segment_id[lo:hi] = k
-        segment_step[lo:hi] = np.arange(hi - lo)
+        segment_step[lo:hi] = _steps(hi - lo)
         accepted[lo:hi] = bool(segment.accepted)
         segment_start[lo] = True
         segment_end[hi - 1] = True
@@ -65,25 +69,36 @@ def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, n
     if length:
         terminated[-1], truncated[-1] = bool(episode.terminated), bool(episode.truncated)
         segment_end[-1] |= terminated[-1] or truncated[-1]
-    if episode.continuity is None:
-        continuity = np.zeros(length, dtype=np.int64)
-    else:
-        continuity = np.asarray(list(episode.continuity), dtype=np.int64)
+    continuity = 0 if episode.continuity is None else np.asarray(list(episode.continuity), dtype=np.int64)
     return {
-        "valid": np.ones(length, dtype=bool),
-        "episode_step": np.arange(length, dtype=np.int64),
+        "valid": True,
+        "episode_step": _steps(length),
         "segment_id": segment_id,
         "segment_step": segment_step,
         "segment_start": segment_start,
         "segment_end": segment_end,
         "segment_accepted": accepted,
-        "segment_attempt_id": np.full(length, attempt, dtype=np.int64),
+        "segment_attempt_id": attempt,
         "continuity_id": continuity,
         "terminated": terminated,
         "truncated": truncated,
-        "task_index": np.full(length, task, dtype=np.int64),
+        "task_index": task,
         "subtask_index": subtask,
     }
+
+
+_STEPS = np.arange(4096, dtype=np.int64)
+_STEPS.flags.writeable = False
+
+
+def _steps(count: int) -> np.ndarray:
+    """``0, 1, ..., count - 1`` (a read-only view for the usual lengths)."""
+    return _STEPS[:count] if count <= len(_STEPS) else np.arange(count, dtype=np.int64)
+
+
+def _segments_of(episode: Episode) -> list:
+    """The episode's segments; an episode reported without any is one accepted segment."""
+    return list(episode.segments) or ([_WholeEpisode(episode.length)] if episode.length else [])
 
 
 @dataclass(frozen=True)
@@ -127,9 +142,13 @@ class EpisodeWriter:
                 self.storage.metadata_array(name)[row, :length] = values
             # frames past the end may hold an older episode or a failed attempt's longer one
             self.storage.poison_payload_tail(row, length)
-            row_tables = compute_row_tables(
-                derived["continuity_id"], derived["segment_id"], derived["segment_accepted"]
-            )
+            if episode.continuity is None:
+                segments = [(s.start, s.end, bool(s.accepted)) for s in _segments_of(episode)]
+                row_tables = segment_row_tables(length, segments)
+            else:
+                row_tables = compute_row_tables(
+                    derived["continuity_id"], derived["segment_id"], derived["segment_accepted"]
+                )
             self.index.write_tables(row, row_tables)
             tables.append(row_tables)
         return tables
