@@ -204,6 +204,8 @@ def test_loader_argument_errors():
         loader_context("threads")
 
 
+# torch warns that 3 workers exceed 2 CPUs; this test never starts them
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @given(st.integers(min_value=-3, max_value=3))
 def test_loader_num_workers_range(workers):
     dataset = OnlineDataset(None, chunk_size=2, batch_size=4)
