@@ -310,7 +310,9 @@ class OnlineDataEngine(EngineLifecycle):
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
-            self._shared.channel.failed_event.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            # woken at once by a completed generation or a producer's own failure; other deaths
+            # (SIGKILL, segfault) reach the channel through the supervisor and are seen within 50 ms
+            progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # -- status --------------------------------------------------------------------------------------
     def check_health(self) -> None:

@@ -114,14 +114,14 @@ class EngineLifecycle:
     def _wait_for_initial_fill(self) -> None:
         timeout = self.cfg.initialization_timeout
         deadline = time.monotonic() + timeout
-        failed = self._shared.channel.failed_event
+        progress = self._shared.progress
         while True:
             self._raise_if_start_interrupted()
-            if self._shared.progress.completed_generation >= 1:
+            if progress.completed_generation >= 1:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"OnlineDataEngine initial buffer fill exceeded {timeout} seconds.")
-            failed.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _raise_if_start_interrupted(self) -> None:
         if self._stop_requested:

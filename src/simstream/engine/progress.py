@@ -22,12 +22,14 @@ class ProducerProgress:
     """Counters in one shared int64 array guarded by its lock, plus each worker's completed generation.
 
     ``completed_generation`` is derived: the smallest generation every worker has finished, i.e. the
-    last generation in which every slot was rewritten once.
+    last generation in which every slot was rewritten once. Owners waiting for a generation sleep in
+    :meth:`wait_for_change`, which a worker cuts short when it completes a generation or fails.
     """
 
     def __init__(self, num_workers: int, ctx: mp.context.BaseContext) -> None:
         self._values = ctx.Array("q", len(_COUNTERS) + num_workers)
         self._num_workers = num_workers
+        self._changed = ctx.Event()
 
     @property
     def lock(self):
@@ -51,6 +53,20 @@ class ProducerProgress:
 
     def set_worker_completed(self, worker: int, generation: int) -> None:
         self._values[len(_COUNTERS) + worker] = generation
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the owner's :meth:`wait_for_change` (a worker completed a generation or failed)."""
+        self._changed.set()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Sleep until a worker calls :meth:`notify` or ``timeout`` seconds pass; then re-check the state.
+
+        Clearing after the wake cannot lose a change: a worker writes its state before it notifies, and
+        the caller reads the state after this returns.
+        """
+        self._changed.wait(timeout)
+        self._changed.clear()
 
     @property
     def completed_generation(self) -> int:

@@ -49,6 +49,7 @@ def run_producer(
     except BaseException as error:
         # Publish before close(): a failing close() must not hide the original failure.
         shared.channel.publish(error, f"producer-{worker_index}")
+        shared.progress.notify()
         raise
     finally:
         source.close()
