@@ -195,22 +195,25 @@ def make_torchrl_sampler(engine: OnlineDataEngine, workload: Workload) -> Callab
 class ContinuousPublication:
     """Keep the engine's producers rewriting the buffer for the duration of the ``with`` block.
 
-    A background thread asks for a new generation every ``poll_s`` (a request while one is outstanding
-    coalesces), so producers publish back to back with gaps of at most ``poll_s``. ``episodes_per_s`` is
-    measured from one publication to another, so partial write windows bias neither end.
+    A background thread requests a generation and waits for it, then requests the next: producers start
+    the next generation as soon as the owner's wait returns (it wakes on completion), so they publish
+    back to back. ``episodes_per_s`` is measured from one publication to another, so partial write
+    windows bias neither end.
     """
 
-    def __init__(self, engine: OnlineDataEngine, poll_s: float = 0.01) -> None:
+    def __init__(self, engine: OnlineDataEngine) -> None:
         self.engine = engine
-        self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._error: BaseException | None = None
         self.episodes_per_s = float("nan")
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.engine.request_refill()
-            self._stop.wait(self.poll_s)
+        try:
+            while not self._stop.is_set():
+                self.engine.wait_for_generation(self.engine.request_refill(), timeout=600.0)
+        except BaseException as error:  # re-raised by __exit__ in the measuring thread
+            self._error = error
 
     def _next_publication(self, timeout_s: float = 60.0) -> tuple[int, float]:
         """Episode count and time of the next publication (polled every millisecond)."""
@@ -235,7 +238,6 @@ class ContinuousPublication:
             self.episodes_per_s = (last - self._first) / (ended - self._began)
         finally:
             self._stop.set()
-            self._thread.join(timeout=10.0)
-            # wait for the outstanding generation so the next measurement starts idle
-            generation = self.engine.get_stats()["requested_generation"]
-            self.engine.wait_for_generation(generation, timeout=600.0)
+            self._thread.join(timeout=600.0)  # it returns once the outstanding generation is in
+            if self._error is not None:
+                raise self._error
