@@ -88,6 +88,15 @@ def test_hard_death_is_detected_without_sampling(fault, status):
         engine.stop()
 
 
+def test_a_silent_death_ends_a_long_wait_for_generation():
+    engine = _started(ScriptedSpec(fault="sigkill", fault_after=2), refill_policy="manual")
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly \(exit code -9, signal SIGKILL\)"):
+        engine.wait_for_generation(engine.request_refill(), timeout=600)
+    assert engine.state is OnlineDataEngineState.FAILED
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        engine.stop()
+
+
 def test_bad_episode_report_fails_with_the_row_and_publishes_nothing():
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="bad_report", max_episode_steps=20)))
     with pytest.raises(ValueError, match=r"Episode.length of row 1 must be an int in \[0, 20\], got 21"):

@@ -310,8 +310,8 @@ class OnlineDataEngine(EngineLifecycle):
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
-            # woken at once by a completed generation or a producer's own failure; other deaths
-            # (SIGKILL, segfault) reach the channel through the supervisor and are seen within 50 ms
+            # woken at once by a completed generation, a producer's failure or (through the supervisor's
+            # monitor) its death; the cap bounds how late a stop() from another thread is seen
             progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # -- status --------------------------------------------------------------------------------------

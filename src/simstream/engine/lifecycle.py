@@ -107,6 +107,7 @@ class EngineLifecycle:
             died_message=lambda label, code: (
                 f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
             ),
+            on_exit=shared.progress.notify,  # a silent death wakes the owner's waits at once
         )
         self._supervisor.start(specs)
         shared.request_generation()

@@ -23,7 +23,8 @@ class ProducerProgress:
 
     ``completed_generation`` is derived: the smallest generation every worker has finished, i.e. the
     last generation in which every slot was rewritten once. Owners waiting for a generation sleep in
-    :meth:`wait_for_change`, which a worker cuts short when it completes a generation or fails.
+    :meth:`wait_for_change`, which a worker cuts short when it completes a generation or fails (and the
+    supervisor's monitor when a worker dies silently).
     """
 
     def __init__(self, num_workers: int, ctx: mp.context.BaseContext) -> None:
@@ -56,7 +57,7 @@ class ProducerProgress:
         self.notify()
 
     def notify(self) -> None:
-        """Wake the owner's :meth:`wait_for_change` (a worker completed a generation or failed)."""
+        """Wake the owner's :meth:`wait_for_change` (a worker completed a generation, failed or died)."""
         self._changed.set()
 
     def wait_for_change(self, timeout: float) -> None:

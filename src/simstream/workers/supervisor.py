@@ -3,9 +3,10 @@
 The supervisor owns the process handles of one group of workers and nothing else: it starts each worker
 through :func:`worker_entry` (so every exception a worker raises, from unpickling its arguments to its last
 line, is published on the :class:`~simstream.workers.channel.ErrorChannel`), runs a monitor thread that
-turns a silent death (SIGKILL, segfault, ``os._exit``) into a published record within milliseconds, keeps
-an optional heartbeat per worker for hang detection, and stops the group with a bounded escalation:
-graceful join, then ``terminate()``, then ``kill()``.
+turns a silent death (SIGKILL, segfault, ``os._exit``) into a published record within milliseconds (then
+calls the owner's ``on_exit`` hook, so a waiting owner wakes at once), keeps an optional heartbeat per
+worker for hang detection, and stops the group with a bounded escalation: graceful join, then
+``terminate()``, then ``kill()``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ class WorkerSupervisor:
         died_message: Builds the message of the ``RuntimeError`` published for a silent death.
         heartbeat: Optional per-worker heartbeat the workers update.
         hang_timeout_s: With a heartbeat, a worker silent for this long is reported as hung.
+        on_exit: Called in the monitor thread after a worker exited (its failure, if any, already
+            published) or a hang was published: wakes an owner that sleeps on its own event. Exceptions
+            it raises are logged, never propagated.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class WorkerSupervisor:
         heartbeat: Heartbeat | None = None,
         hang_timeout_s: float | None = None,
         daemon: bool = False,
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         self._ctx = ctx
         self._channel = channel
@@ -148,7 +153,12 @@ class WorkerSupervisor:
         self._heartbeat = heartbeat
         self._hang_timeout_s = hang_timeout_s
         self._daemon = daemon
+        self._on_exit = on_exit
         self._processes: dict[str, mp.process.BaseProcess] = {}
+        self._exits = select.poll()
+        """Every worker's sentinel: one ``poll(2)`` tells whether any exited (see :meth:`dead_workers`)."""
+        self._exit_read = threading.Event()
+        """Set by whoever reads an exit status first: a forkserver sentinel may read as idle once it was."""
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
         self._forcing = threading.Event()
@@ -169,6 +179,7 @@ class WorkerSupervisor:
             )
             process.start()  # registered only once started: shutdown() joins what it holds
             self._processes[spec.label] = process
+            self._exits.register(process.sentinel, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
             args=(
@@ -181,6 +192,8 @@ class WorkerSupervisor:
                 self._died_message,
                 self._heartbeat,
                 self._hang_timeout_s,
+                self._on_exit,
+                self._exit_read,
             ),
             name="simstream-worker-monitor",
             daemon=True,
@@ -188,9 +201,18 @@ class WorkerSupervisor:
         self._monitor.start()
 
     def dead_workers(self) -> list[tuple[str, int | None]]:
-        """Workers that have exited, with their exit codes (non-blocking)."""
-        with self._status_lock:
-            return [(label, p.exitcode) for label, p in self._processes.items() if p.exitcode is not None]
+        """Workers that have exited, with their exit codes (non-blocking).
+
+        Owners call this on every sample, so while every worker lives it costs one ``poll(2)`` on all
+        sentinels, not one exit-status query per worker.
+        """
+        with self._status_lock:  # also serialises the poll object, which refuses concurrent polls
+            if not self._exit_read.is_set() and not self._exits.poll(0):
+                return []
+            dead = [(label, p.exitcode) for label, p in self._processes.items() if p.exitcode is not None]
+            if dead:
+                self._exit_read.set()
+            return dead
 
     def shutdown(self, timeout_s: float, *, terminate_join_s: float = 3.0) -> ShutdownReport:
         """Join every worker within ``timeout_s``, then terminate, then kill the stragglers."""
@@ -214,9 +236,12 @@ class WorkerSupervisor:
             report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
         self.stop_monitor()
         if not report.still_alive:
-            for process in self._processes.values():
-                process.close()
-            self._processes.clear()
+            with self._status_lock:
+                for process in self._processes.values():
+                    process.close()
+                self._processes.clear()
+                self._exits = select.poll()  # closed sentinels' numbers may be reused
+                self._exit_read.clear()
         return report
 
     def stop_monitor(self, timeout_s: float = 1.0) -> bool:
@@ -240,9 +265,12 @@ def _monitor_workers(
     died_message: Callable[[str, int | None], str],
     heartbeat: Heartbeat | None,
     hang_timeout_s: float | None,
+    on_exit: Callable[[], None] | None,
+    exit_read: threading.Event,
 ) -> None:
     # Waits on the process sentinels; the exit status is read under the status lock, so this thread
-    # never races the owner's join() on the forkserver status pipe.
+    # never races the owner's join() on the forkserver status pipe. Reading it drains that pipe, which
+    # reads as idle until the forkserver closes its end: exit_read tells dead_workers() to look anyway.
     pending = {p.sentinel: (label, index, p) for index, (label, p) in enumerate(processes.items())}
     while pending and not stop.is_set():
         ready = wait_for_sentinels(list(pending), timeout=0.1)
@@ -251,13 +279,24 @@ def _monitor_workers(
             with status_lock:
                 process.join(1.0)
                 exitcode = process.exitcode
+                exit_read.set()
             # Deaths we caused with terminate()/kill() are reported by shutdown(), not as failures.
-            if channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0):
-                continue
-            channel.publish(RuntimeError(died_message(label, exitcode)), label, exitcode=exitcode)
+            if not (channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0)):
+                channel.publish(RuntimeError(died_message(label, exitcode)), label, exitcode=exitcode)
+            _notify(on_exit)
         if heartbeat is not None and hang_timeout_s is not None and not is_closing():
             for label, index, _ in pending.values():
                 age = heartbeat.age_s(index)
                 if age > hang_timeout_s and not channel.is_set():
                     message = f"{label} sent no heartbeat for {age:.1f} s (hang_timeout_s={hang_timeout_s})"
                     channel.publish(TimeoutError(message), label)
+                    _notify(on_exit)
+
+
+def _notify(on_exit: Callable[[], None] | None) -> None:
+    if on_exit is None:
+        return
+    try:
+        on_exit()
+    except Exception:  # the monitor must keep watching the other workers
+        logger.exception("on_exit hook of the worker supervisor failed")

@@ -1,0 +1,81 @@
+"""``WorkerSupervisor``: exits seen by ``dead_workers`` and the ``on_exit`` hook, per start method."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+
+from simstream.workers.channel import ErrorChannel
+from simstream.workers.supervisor import WorkerSpec, WorkerSupervisor
+
+pytestmark = pytest.mark.timeout(120)
+
+_EXIT = "tests.support.workers:exit_when_told"
+_WAIT = "tests.support.workers:wait_for"
+
+
+def _supervisor(ctx, channel, on_exit) -> WorkerSupervisor:
+    return WorkerSupervisor(
+        ctx,
+        channel,
+        is_closing=lambda: False,
+        died_message=lambda label, code: f"{label} died with exit code {code}",
+        on_exit=on_exit,
+    )
+
+
+@pytest.mark.parametrize("method", mp.get_all_start_methods())
+def test_a_silent_death_is_published_before_the_hook_and_stays_visible(method):
+    ctx = mp.get_context(method)
+    channel, go, stop = ErrorChannel(ctx), ctx.Event(), ctx.Event()
+    called, records = threading.Event(), []
+
+    def on_exit() -> None:
+        records.append(channel.read())
+        called.set()
+
+    supervisor = _supervisor(ctx, channel, on_exit)
+    supervisor.start([WorkerSpec("dies", _EXIT, (go, 3)), WorkerSpec("lives", _WAIT, (stop,))])
+    try:
+        assert supervisor.dead_workers() == []
+        go.set()
+        assert called.wait(60.0), "the monitor never called on_exit"
+        assert records[0] is not None and records[0].worker == "dies"
+        assert "dies died with exit code 3" in str(channel.error())
+        # the exit status was read by the monitor; the sentinel still reports the death
+        assert supervisor.dead_workers() == [("dies", 3)]
+        assert supervisor.dead_workers() == [("dies", 3)]
+    finally:
+        stop.set()
+        report = supervisor.shutdown(30.0)
+    assert report.exitcodes == {"dies": 3, "lives": 0}
+    assert not report.forced
+    assert supervisor.dead_workers() == []
+
+
+def test_a_failing_hook_does_not_stop_the_monitor():
+    ctx = mp.get_context("fork")
+    channel, first, second = ErrorChannel(ctx), ctx.Event(), ctx.Event()
+    calls = []
+    both = threading.Event()
+
+    def on_exit() -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            both.set()
+        raise RuntimeError("hook failed")
+
+    supervisor = _supervisor(ctx, channel, on_exit)
+    supervisor.start([WorkerSpec("first", _EXIT, (first, 4)), WorkerSpec("second", _EXIT, (second, 5))])
+    try:
+        first.set()
+        second.set()
+        assert both.wait(60.0), f"on_exit was called {len(calls)} time(s), expected 2"
+        assert sorted(supervisor.dead_workers()) == [("first", 4), ("second", 5)]
+        assert channel.read().worker in ("first", "second")  # first failure wins
+    finally:
+        first.set()
+        second.set()
+        supervisor.shutdown(30.0)
