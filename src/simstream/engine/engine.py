@@ -311,7 +311,7 @@ class OnlineDataEngine(EngineLifecycle):
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
             # woken at once by a completed generation, a producer's failure or (through the supervisor's
-            # monitor) its death; the cap bounds how late a stop() from another thread is seen
+            # monitor) its death; the cap is a backstop for a wake another waiter cleared first
             progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # -- status --------------------------------------------------------------------------------------

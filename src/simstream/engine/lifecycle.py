@@ -76,6 +76,7 @@ class EngineLifecycle:
                 )
             self._stop_requested = False
             self._set_state(State.STARTING)
+            self._lifecycle.notify_all()
         try:
             self._launch_workers()
             self._wait_for_initial_fill()
@@ -204,6 +205,7 @@ class EngineLifecycle:
                 self._stop_requested = True
                 self._shared.close_event.set()
                 self._shared.wake_all()
+                self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
                 limit = self.cfg.shutdown_timeout + 10.0
                 self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
                 if self.state is State.STOPPED or self._cleanup_complete:
