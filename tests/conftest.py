@@ -23,24 +23,32 @@ def _threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.is_alive()}
 
 
+def _extra_threads(before: set[str]) -> list[threading.Thread]:
+    # multiprocessing's queue feeders and file-descriptor sharer ("(_serve)") live as long as the process
+    # once started; pt_ threads are torch's
+    return [
+        t
+        for t in threading.enumerate()
+        if t.is_alive()
+        and t.name not in before
+        and not t.name.startswith(("QueueFeederThread", "pt_"))
+        and not t.name.endswith("(_serve)")
+    ]
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Fail a test that leaves child processes, /dev/shm files or extra threads running."""
     shm_before, threads_before = _shm_files(), _threads()
     yield
+    # give what the test stopped up to 5 s to finish exiting, waiting on each (join), not polling
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        children = mp.active_children()
-        # multiprocessing's queue feeders and file-descriptor sharer ("(_serve)") live as long as the
-        # process once started; pt_ threads are torch's
-        extra_threads = {
-            t
-            for t in _threads() - threads_before
-            if not t.startswith(("QueueFeederThread", "pt_")) and not t.endswith("(_serve)")
-        }
-        if not children and not extra_threads:
-            break
-        time.sleep(0.05)
+    for child in mp.active_children():
+        child.join(max(0.0, deadline - time.monotonic()))
+    for thread in _extra_threads(threads_before):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    children = mp.active_children()
+    extra_threads = {thread.name for thread in _extra_threads(threads_before)}
     leaked_shm = {f for f in _shm_files() - shm_before if not f.startswith("sem.")}
     if not os.environ.get("CI"):
         # Other local processes (a second test run, a benchmark) also create segments: only count ours.

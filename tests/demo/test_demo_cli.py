@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from simstream.bc.report import PLOTS
 from simstream.cli.main import main as simstream
+from tests.support.processes import wait_for_exit
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,37 +105,42 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait() is missing
+_TRAINING_STEPS = re.compile(rb"training:[^\r\n]*?\| *(\d+)/100000")
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
-    stderr = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115  (closed below; tqdm writes a lot there)
     process = subprocess.Popen(
         [sys.executable, "-m", "simstream", "demo", "--quick", "--steps", "100000", "--time-limit-s", "600",
          "--runs-dir", str(tmp_path), "--name", "interrupted"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
-    lines: list[str] = []
-    started = threading.Event()
+    lines: list[bytes] = []
+    errors = bytearray()
+    started, training = threading.Event(), threading.Event()
 
-    def read() -> None:
+    def read_stdout() -> None:
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("training started"):
+            if line.startswith(b"training started"):
                 started.set()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    def read_stderr() -> None:  # tqdm's bar: "training: ... | 12/100000 [...]", updated with "\r"
+        while chunk := process.stderr.read1(1 << 16):
+            errors.extend(chunk)
+            if not training.is_set() and any(
+                int(steps) >= 10 for steps in _TRAINING_STEPS.findall(bytes(errors[-4096:]))
+            ):
+                training.set()
+
+    readers = [threading.Thread(target=fn, daemon=True) for fn in (read_stdout, read_stderr)]
+    for reader in readers:
+        reader.start()
     try:
         assert started.wait(120), f"the demo never said 'training started': {lines}"
-        time.sleep(2.0)  # let training run a little: producers are busy refilling
+        # Ctrl-C lands mid-training, while producers are refilling the buffer
+        assert training.wait(120), f"no training progress reported: {bytes(errors[-2000:])!r}"
         children = _descendants(process.pid)
         assert children, "the demo should run producer processes"
         process.send_signal(signal.SIGINT)
@@ -143,12 +149,9 @@ def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
-        stderr.close()
-        reader.join(timeout=10)
-    assert code == 130, (tmp_path / "stderr.txt").read_text()[-2000:]
-    deadline = time.monotonic() + 15
-    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in children if _running(pid)]
-    assert not left, f"processes left running after Ctrl-C: {left}"
-    assert "interrupted" in (tmp_path / "stderr.txt").read_text()
+        for reader in readers:
+            reader.join(timeout=10)
+    text = errors.decode(errors="replace")
+    assert code == 130, text[-2000:]
+    wait_for_exit(children, 15, "processes left running after Ctrl-C")
+    assert "interrupted" in text

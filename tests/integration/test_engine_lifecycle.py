@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from simstream import OnlineDataEngine, OnlineDataEngineState
-from tests.support.engines import make_cfg, wait_until
+from tests.support.engines import make_cfg
+from tests.support.processes import wait_for_exit
 from tests.support.sources import ScriptedSpec
 
 pytestmark = pytest.mark.timeout(90)
@@ -107,7 +108,8 @@ def test_stop_cancels_a_running_start():
 
     thread = threading.Thread(target=run_start)
     thread.start()
-    wait_until(lambda: engine.state is OnlineDataEngineState.STARTING, what="STARTING")
+    with engine._lifecycle:  # start() notifies it once STARTING
+        assert engine._lifecycle.wait_for(lambda: engine.state is OnlineDataEngineState.STARTING, 30.0)
     engine.stop()
     thread.join(30)
     assert not thread.is_alive()
@@ -260,16 +262,7 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
     pids = [int(p) for p in result.stdout.split()]
     assert len(pids) == 2, result.stderr[-2000:]
 
-    def all_gone() -> bool:
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                return False
-            except ProcessLookupError:
-                pass
-        return True
-
-    wait_until(all_gone, 10, "orphaned producers to exit")
+    wait_for_exit(pids, 10, "orphaned producers")
 
 
 _UNGUARDED_SCRIPT = """

@@ -6,7 +6,7 @@ counter to pass each iteration. ``mode`` selects a fault.
 
 from __future__ import annotations
 
-import time
+import multiprocessing as mp
 
 import torch
 
@@ -31,6 +31,8 @@ class ToyRunner(AsyncRunner):
         self.mode = mode
         self.target = target
         self.counter = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.ticked = mp.get_context("spawn").Event()
+        """Set by the collector after each increment: the learner waits on it instead of polling."""
         self.resource = self._register_shared(Releasable())
         self.seen_kwargs: tuple[str, ...] = ()
 
@@ -44,21 +46,30 @@ class ToyRunner(AsyncRunner):
         return self.target or super()._collector_target()
 
     @staticmethod
-    def _collector_fn(stop_event, heartbeat, counter, mode) -> None:
+    def _collector_fn(stop_event, heartbeat, counter, ticked, mode) -> None:
         torch.set_num_threads(1)
         while not stop_event.is_set():
             heartbeat()
             counter += 1
+            ticked.set()
             if mode == "return_early" and int(counter) >= 5:
                 return
-            time.sleep(0.01)
+            stop_event.wait(0.01)  # the time one collection step takes
 
     def learn(self, max_iterations: int, save_interval: int = 50, log_dir: str | None = None) -> int:
         if self._process() is None:
-            self._start_collector({"counter": self.counter, "mode": self.mode})
+            self._start_collector({"counter": self.counter, "ticked": self.ticked, "mode": self.mode})
         for i in range(max_iterations):
-            self._wait_until(lambda s, i=i: True if int(self.counter) > i else time.sleep(s), 30.0, "count")
+            self._wait_until(lambda s, i=i: self._counted_past(i, s), 30.0, "count")
         return int(self.counter)
+
+    def _counted_past(self, count: int, slice_s: float) -> bool | None:
+        """``True`` once the counter passed ``count``; else wait up to ``slice_s`` for a tick (``None``)."""
+        self.ticked.clear()  # before the check: a tick after it sets the event again
+        if int(self.counter) > count:
+            return True
+        self.ticked.wait(slice_s)
+        return True if int(self.counter) > count else None
 
 
 def hammer_ring(ring, rollouts: int) -> None:

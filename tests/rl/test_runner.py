@@ -12,6 +12,7 @@ import torch
 from simstream.rl import APPOConfig, APPORunner, RunnerConfig
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
+from tests.support.processes import wait_for_exit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,7 +222,6 @@ if __name__ == "__main__":
 def test_collector_exits_when_the_learner_is_killed(tmp_path):
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     script = tmp_path / "learner.py"
@@ -237,12 +237,8 @@ def test_collector_exits_when_the_learner_is_killed(tmp_path):
     text = (tmp_path / "out.txt").read_text()
     pid = int(text.split()[0]) if text.split() and text.split()[0].isdigit() else None
     assert pid is not None, text[-2000:]
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    pytest.fail("the orphaned collector kept running for 10 s after its learner was killed")
+    try:
+        wait_for_exit([pid], 10.0, "the orphaned collector, 10 s after its learner was killed")
+    except AssertionError:
+        os.kill(pid, 9)
+        raise
