@@ -13,6 +13,7 @@ import pickle
 import threading
 import time
 import uuid
+from functools import partial
 from typing import Literal
 
 import torch
@@ -303,16 +304,12 @@ class OnlineDataEngine(EngineLifecycle):
         progress = self._shared.progress
         if generation > progress.get("requested_generation"):
             raise ValueError("generation has not been requested")
+        # woken at once by a completed generation, a producer's failure or (through the supervisor's
+        # monitor) its death
         deadline = time.monotonic() + timeout
-        while True:
-            self._check_ready("wait_for_generation")
-            if progress.completed_generation >= generation:
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
-            # woken at once by a completed generation, a producer's failure or (through the supervisor's
-            # monitor) its death; the cap is a backstop for a wake another waiter cleared first
-            progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
+        check = partial(self._check_ready, "wait_for_generation")
+        if not progress.wait_for_completed(generation, deadline, check):
+            raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
 
     # -- status --------------------------------------------------------------------------------------
     def check_health(self) -> None:

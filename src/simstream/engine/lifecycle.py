@@ -116,14 +116,8 @@ class EngineLifecycle:
     def _wait_for_initial_fill(self) -> None:
         timeout = self.cfg.initialization_timeout
         deadline = time.monotonic() + timeout
-        progress = self._shared.progress
-        while True:
-            self._raise_if_start_interrupted()
-            if progress.completed_generation >= 1:
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"OnlineDataEngine initial buffer fill exceeded {timeout} seconds.")
-            progress.wait_for_change(min(0.05, max(0.0, deadline - time.monotonic())))
+        if not self._shared.progress.wait_for_completed(1, deadline, self._raise_if_start_interrupted):
+            raise TimeoutError(f"OnlineDataEngine initial buffer fill exceeded {timeout} seconds.")
 
     def _raise_if_start_interrupted(self) -> None:
         if self._stop_requested:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
+from collections.abc import Callable
 
 __all__ = ["ProducerProgress"]
 
@@ -16,6 +18,9 @@ _COUNTERS = (
     "next_episode_id",
     "production_ns",
 )
+
+_WAKE_CAP_S = 0.05
+"""Longest sleep between two looks at the state: a backstop for a wake-up that another waiter cleared."""
 
 
 class ProducerProgress:
@@ -68,6 +73,23 @@ class ProducerProgress:
         """
         self._changed.wait(timeout)
         self._changed.clear()
+
+    def wait_for_completed(self, generation: int, deadline: float, check: Callable[[], None]) -> bool:
+        """Sleep until every worker completed ``generation`` (``True``) or ``deadline`` passes (``False``).
+
+        Args:
+            generation: The generation to wait for.
+            deadline: ``time.monotonic()`` value at which to give up.
+            check: Called before every look at the state; it ends the wait by raising (a failure, a
+                cancellation). Workers wake the wait through :meth:`notify`.
+        """
+        while True:
+            check()
+            if self.completed_generation >= generation:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self.wait_for_change(min(_WAKE_CAP_S, max(0.0, deadline - time.monotonic())))
 
     @property
     def completed_generation(self) -> int:
