@@ -21,6 +21,8 @@ from .sources import Field, SourceSpec
 __all__ = ["METADATA_KEYS", "PROVENANCE_KEYS", "OnlineDataEngineCfg", "SourceLayout"]
 
 INT64_MAX = 2**63 - 1
+MAX_TIMEOUT_S = 1e6
+"""Longest accepted timeout: process joins wait with ``poll(2)``, whose millisecond argument is an int32."""
 
 METADATA_KEYS: dict[str, torch.dtype] = {
     "valid": torch.bool,
@@ -76,7 +78,7 @@ class OnlineDataEngineCfg:
     max_generation_attempts: int = 3
     """Tries per write window before the producer fails the engine."""
     initialization_timeout: float = 300.0
-    """Seconds ``start()`` waits for the first complete generation."""
+    """Seconds ``start()`` waits for the first complete generation, in ``(0, 1e6]``."""
     language_buffer_bytes: int = 1048576
     """Capacity (UTF-8 bytes) of the append-only shared language registry."""
     action_dim: int | None = None
@@ -96,7 +98,7 @@ class OnlineDataEngineCfg:
     action_contracts: tuple[str, ...] | None = None
     """Ordered action contract IDs (``policy_request`` only)."""
     shutdown_timeout: float = 5.0
-    """Seconds ``stop()`` waits for a graceful worker exit before terminate/kill."""
+    """Seconds ``stop()`` waits for a graceful worker exit before terminate/kill, in ``(0, 1e6]``."""
     num_workers: int = 1
     """Producer processes; each owns a disjoint range of rows and writes in parallel."""
     seed: int = 0
@@ -131,6 +133,10 @@ class OnlineDataEngineCfg:
             value = getattr(self, name)
             if not _finite_positive(value):
                 raise ValueError(f"{name} must be finite and greater than zero, got {value}.")
+            if value > MAX_TIMEOUT_S:
+                raise ValueError(
+                    f"{name} must be at most {MAX_TIMEOUT_S:.0e} seconds (about 11 days), got {value}."
+                )
         require_int("OnlineDataEngineCfg", "refill_threshold", self.refill_threshold, 0)
         require_int("OnlineDataEngineCfg", "num_workers", self.num_workers, 1)
         require_int("OnlineDataEngineCfg", "seed", self.seed, 0, INT64_MAX)
@@ -197,7 +203,7 @@ class OnlineDataEngineCfg:
             )
         if budget > limit:
             raise ValueError("episode_sample_budget must not exceed episode_sample_hard_limit")
-        if torch.device(self.buffer_device).type != "cpu":
+        if str(self.buffer_device) != "cpu":  # not torch.device(): a bad string would raise RuntimeError
             raise ValueError("Per-episode sampling quotas require buffer_device='cpu'")
 
     def _validate_source(self) -> SourceLayout:

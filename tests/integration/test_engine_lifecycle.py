@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from simstream import OnlineDataEngine, OnlineDataEngineState
+from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
 from tests.support.engines import make_cfg
 from tests.support.processes import wait_for_exit
 from tests.support.sources import ScriptedSpec
@@ -116,6 +116,69 @@ def test_stop_cancels_a_running_start():
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
     assert "start() was cancelled by stop()" in str(errors[0])
     assert engine.state is OnlineDataEngineState.STOPPED
+
+
+@pytest.mark.parametrize(
+    ("close_fault", "error_type", "message"),
+    [
+        ("raise", OSError, "flush failed while closing the source"),
+        ("hang", OnlineDataWorkerError, r"required terminate\(\)/kill\(\); graceful close"),
+    ],
+)
+def test_stop_that_cancels_a_start_raises_what_the_cleanup_found(close_fault, error_type, message):
+    """A cancelled start whose cleanup fails ends FAILED, and the stop() that cancelled it says why."""
+    engine = OnlineDataEngine(
+        make_cfg(ScriptedSpec(fault="stall", close_fault=close_fault), shutdown_timeout=0.5)
+    )
+    errors: list[BaseException] = []
+
+    def run_start() -> None:
+        try:
+            engine.start()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run_start)
+    thread.start()
+    with engine._lifecycle:
+        assert engine._lifecycle.wait_for(lambda: engine.state is OnlineDataEngineState.STARTING, 30.0)
+    with pytest.raises(error_type, match=message):
+        engine.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "start() was cancelled by stop()" in str(errors[0])
+    assert engine.state is OnlineDataEngineState.FAILED
+    assert isinstance(engine._shared.channel.error(), error_type)
+    engine.stop()  # cleanup completed once: silent from now on
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_health_checks_racing_a_clean_stop_leave_it_clean():
+    """stop() joins the workers while other threads check health: those graceful exits are no deaths."""
+    engine = OnlineDataEngine(make_cfg(buffer_size=4))
+    engine.start()
+    done = threading.Event()
+    seen: list[str] = []
+
+    def check() -> None:
+        while not done.is_set():
+            try:
+                engine.check_health()
+            except RuntimeError as error:
+                seen.append(str(error))
+                return
+
+    threads = [threading.Thread(target=check) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        engine.stop()
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(30)
+    assert engine.state is OnlineDataEngineState.STOPPED
+    assert all("requires state READY; current state is STOPPED" in text for text in seen), seen
 
 
 def test_initial_fill_timeout_fails_the_engine():

@@ -79,3 +79,27 @@ def test_a_failing_hook_does_not_stop_the_monitor():
         first.set()
         second.set()
         supervisor.shutdown(30.0)
+
+
+def test_a_monitor_that_does_not_stop_keeps_the_processes_open_until_it_does():
+    ctx = mp.get_context("fork")
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    in_hook, release = threading.Event(), threading.Event()
+
+    def on_exit() -> None:  # holds the monitor thread, as a stuck hook would
+        in_hook.set()
+        release.wait(60.0)
+
+    supervisor = _supervisor(ctx, channel, on_exit)
+    supervisor.start([WorkerSpec("worker", _WAIT, (stop,))])
+    try:
+        stop.set()
+        assert in_hook.wait(60.0), "the monitor never saw the exit"
+        report = supervisor.shutdown(30.0)
+        assert not report.monitor_stopped and report.still_alive == []
+        assert report.exitcodes == {"worker": 0}
+        assert list(supervisor.processes) == ["worker"]  # not closed: the monitor may still read them
+    finally:
+        release.set()
+    report = supervisor.shutdown(30.0)
+    assert report.monitor_stopped and supervisor.processes == {}

@@ -47,10 +47,18 @@ def _cfg(**overrides) -> OnlineDataEngineCfg:
         ({"language_buffer_bytes": 1.5}, "language_buffer_bytes must be a positive integer"),
         ({"initialization_timeout": math.nan}, "initialization_timeout must be finite and greater than zero"),
         ({"shutdown_timeout": math.inf}, "shutdown_timeout must be finite and greater than zero, got inf."),
+        # process joins poll(2) in int32 milliseconds: a larger timeout could never stop the engine
+        ({"shutdown_timeout": 1e7}, r"shutdown_timeout must be at most 1e\+06 seconds \(about 11 days\)"),
+        ({"initialization_timeout": 2e6}, r"initialization_timeout must be at most 1e\+06 seconds"),
         ({"buffer_size": 0}, r"OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
         ({"num_workers": 0}, r"OnlineDataEngineCfg.num_workers must be an int >= 1, got 0"),
         ({"refill_threshold": -1}, r"OnlineDataEngineCfg.refill_threshold must be an int >= 0, got -1"),
         ({"buffer_device": "cuda"}, "OnlineDataEngineCfg.buffer_device must be 'cpu'"),
+        ({"buffer_device": "gpu0"}, "OnlineDataEngineCfg.buffer_device must be 'cpu'"),
+        (
+            {"episode_sample_budget": 1, "episode_sample_hard_limit": 2, "buffer_device": "gpu0"},
+            "Per-episode sampling quotas require buffer_device='cpu'",
+        ),
         ({"source": None}, "OnlineDataEngineCfg.source must be a SourceSpec"),
         ({"max_episode_steps": 30}, "must be None or equal the source's max_episode_steps \\(20\\)"),
         ({"buffer_size": 1}, r"num_envs \(2\) exceeds buffer_size \(1\)"),
@@ -115,7 +123,7 @@ def test_validation_accepts_exactly_the_documented_ranges(buffer_size, workers, 
         and threshold >= 0
         and attempts >= 1
         and math.isfinite(timeout)
-        and timeout > 0
+        and 0 < timeout <= 1e6
         and buffer_size >= 2 * workers
     )
     if ok:

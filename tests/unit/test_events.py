@@ -94,7 +94,7 @@ def test_sequences_continue_across_ring_wraparound(log):
         records = log.drain()
         assert [r["sequence"] for r in records] == sequences
         assert [r["episode_id"] for r in records] == sequences
-    assert log.state_dict() == {"next_sequence": 15, "pending": 0}
+    assert log.state_dict() == {"next_sequence": 15, "pending": 0, "reserved": 0}
 
 
 def test_full_log_rejects_the_whole_append(log):
@@ -127,16 +127,38 @@ def test_malformed_records_write_nothing(log, change):
     assert log.pending() == 0
 
 
-def test_wait_for_space_returns_at_once_when_free(log):
+def test_reserve_returns_at_once_when_free_and_takes_the_space(log):
     log.append([_record()])
-    assert log.wait_for_space(3, should_stop=lambda: pytest.fail("must not poll"))
-    assert log.wait_for_space(0, should_stop=lambda: True)
+    assert log.reserve(2, should_stop=lambda: pytest.fail("must not poll"))
+    assert log.reserve(0, should_stop=lambda: True)
+    assert log.free_slots() == 1 and log.pending() == 1
+    assert log.state_dict() == {"next_sequence": 1, "pending": 1, "reserved": 2}
+    with pytest.raises(RuntimeError, match=r"^ODS lifecycle event capacity exhausted$"):
+        log.append([_record(), _record()])  # the reserved space is not anybody's to take
+    assert log.append([_record(episode_id=1), _record(episode_id=2)], reserved=True) == [1, 2]
+    assert log.state_dict() == {"next_sequence": 3, "pending": 3, "reserved": 0}
+
+
+def test_append_into_a_reservation_too_small_writes_nothing(log):
+    assert log.reserve(1, should_stop=lambda: False)
+    with pytest.raises(RuntimeError, match="appending 2 records into a reservation of 1"):
+        log.append([_record(), _record()], reserved=True)
+    assert log.pending() == 0 and log.state_dict()["reserved"] == 1
+
+
+def test_release_gives_reserved_space_back(log):
+    assert log.reserve(4, should_stop=lambda: False)
+    assert log.free_slots() == 0
+    log.release(3)
+    assert log.free_slots() == 3
+    log.release(10)  # never below zero
+    assert log.free_slots() == 4 and log.state_dict()["reserved"] == 0
 
 
 @pytest.mark.parametrize("count", [-1, 5, 1.0], ids=repr)
-def test_wait_for_space_rejects_impossible_counts(log, count):
-    with pytest.raises(ValueError, match=r"wait_for_space count must be an int in \[0, 4\]"):
-        log.wait_for_space(count, should_stop=lambda: False)
+def test_reserve_rejects_impossible_counts(log, count):
+    with pytest.raises(ValueError, match=r"reserve count must be an int in \[0, 4\]"):
+        log.reserve(count, should_stop=lambda: False)
 
 
 def test_should_stop_interrupts_the_wait(log):
@@ -147,17 +169,18 @@ def test_should_stop_interrupts_the_wait(log):
         calls.append(None)
         return len(calls) >= 3
 
-    assert log.wait_for_space(1, should_stop, poll_s=0.001) is False
+    assert log.reserve(1, should_stop, poll_s=0.001) is False
     assert len(calls) == 3
-    assert log.pending() == 4
+    assert log.pending() == 4 and log.state_dict()["reserved"] == 0
 
 
 def _producer(log, ready, stopping) -> None:
     assert log.free_slots() == 0
     ready.set()
-    if not log.wait_for_space(2, should_stop=stopping.is_set, poll_s=0.05):
+    if not log.reserve(2, should_stop=stopping.is_set, poll_s=0.05):
         raise SystemExit(2)
-    log.append([_record("evicted", slot=3, episode_id=100), _record(slot=3, episode_id=101)])
+    log.append([_record("evicted", slot=3, episode_id=100)], reserved=True)
+    log.append([_record(slot=3, episode_id=101)], reserved=True)
 
 
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
@@ -206,3 +229,63 @@ def test_concurrent_producers_get_distinct_ordered_sequences():
     for base in (1, 2, 3):
         mine = [r["episode_id"] for r in records if r["slot"] == base]
         assert mine == [base * 1000 + i for i in range(50)], "each producer's records keep their order"
+
+
+def _reserving_producer(log, slot: int, reserved, waiting, go, stopping) -> None:
+    def should_stop() -> bool:  # called only while the log has no room for this producer
+        waiting.set()
+        return stopping.is_set()
+
+    if not log.reserve(2, should_stop, poll_s=0.05):
+        raise SystemExit(2)
+    reserved.put(slot)
+    if not go.wait(JOIN_TIMEOUT_S):
+        raise SystemExit(3)
+    log.append([_record("evicted", slot=slot, episode_id=slot)], reserved=True)
+    log.append([_record(slot=slot, episode_id=100 + slot)], reserved=True)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_two_producers_never_share_the_space_they_reserved(method):
+    """Two producers want 2 slots each from a log with 3 free: one waits until the owner drains.
+
+    Both see the space free at once; with a check-then-append the later append found the log full and
+    failed the engine.
+    """
+    ctx = mp.get_context(method)
+    log = LifecycleEventLog(capacity=4, max_steps=STEPS, ctx=ctx)
+    log.append([_record(episode_id=99)])
+    reserved, stopping = ctx.Queue(), ctx.Event()
+    waiting, go = [ctx.Event(), ctx.Event()], [ctx.Event(), ctx.Event()]
+    producers = [
+        ctx.Process(target=_reserving_producer, args=(log, slot, reserved, waiting[slot], go[slot], stopping))
+        for slot in (0, 1)
+    ]
+    for producer in producers:
+        producer.start()
+    try:
+        first = reserved.get(timeout=JOIN_TIMEOUT_S)
+        second = 1 - first
+        assert waiting[second].wait(JOIN_TIMEOUT_S), "the other producer should wait for space"
+        assert log.state_dict() == {"next_sequence": 1, "pending": 1, "reserved": 2}
+        go[first].set()
+        producers[first].join(JOIN_TIMEOUT_S)
+        assert producers[first].exitcode == 0
+        assert [r["slot"] for r in log.drain()] == [0, first, first]  # wakes the waiting producer
+        assert reserved.get(timeout=JOIN_TIMEOUT_S) == second
+        go[second].set()
+        producers[second].join(JOIN_TIMEOUT_S)
+        assert producers[second].exitcode == 0
+        assert [(r["kind"], r["slot"]) for r in log.drain()] == [("evicted", second), ("published", second)]
+        assert log.state_dict() == {"next_sequence": 5, "pending": 0, "reserved": 0}
+    finally:
+        stopping.set()
+        for event in go:
+            event.set()
+        for producer in producers:
+            producer.join(JOIN_TIMEOUT_S)
+            if producer.is_alive():
+                producer.kill()
+                producer.join(JOIN_TIMEOUT_S)
+        reserved.close()
+        reserved.join_thread()

@@ -38,8 +38,10 @@ class LifecycleEventLog:
 
     Records get consecutive sequence numbers ``0, 1, 2, ...`` in append order; ``drain`` returns them in
     that order. Invariants: ``0 <= next_sequence - drained <= capacity``; records ``drained ..
-    next_sequence - 1`` are pending at ring positions ``sequence % capacity``. A full log rejects an
-    append whole; producers call :meth:`wait_for_space` first to back-pressure instead.
+    next_sequence - 1`` are pending at ring positions ``sequence % capacity``; ``pending + reserved <=
+    capacity``. A full log rejects an append whole. Producers :meth:`reserve` their records' space first,
+    which waits while the log is full (back-pressure), then append into the reservation: space two
+    producers saw free at the same moment cannot be promised to both.
 
     Args:
         capacity: Maximum number of pending records.
@@ -67,8 +69,9 @@ class LifecycleEventLog:
         self.capacity = capacity
         self.max_steps = max_steps
         self._condition = ctx.Condition(ctx.Lock())
-        # [next_sequence, drained]: sequences below `drained` have been handed to the owner.
-        self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (2,))
+        # [next_sequence, drained, reserved]: sequences below `drained` have been handed to the owner;
+        # `reserved` slots are promised to appends that have not happened yet.
+        self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (3,))
         self._raw_table, self._table = _shared_tensor(ctx, torch.int64, (capacity, len(_FIELDS)))
         self._raw_masks, self._masks = _shared_tensor(ctx, torch.bool, (capacity, 2, max_steps))
 
@@ -81,7 +84,7 @@ class LifecycleEventLog:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._cursor = _view(self._raw_cursor, torch.int64, (2,))
+        self._cursor = _view(self._raw_cursor, torch.int64, (3,))
         self._table = _view(self._raw_table, torch.int64, (self.capacity, len(_FIELDS)))
         self._masks = _view(self._raw_masks, torch.bool, (self.capacity, 2, self.max_steps))
 
@@ -91,11 +94,11 @@ class LifecycleEventLog:
             return self._pending_locked()
 
     def free_slots(self) -> int:
-        """Number of records that can be appended before the log is full."""
+        """Number of records that can be appended or reserved before the log is full."""
         with self._condition:
-            return self.capacity - self._pending_locked()
+            return self._free_locked()
 
-    def append(self, records: Sequence[dict[str, Any]]) -> list[int]:
+    def append(self, records: Sequence[dict[str, Any]], *, reserved: bool = False) -> list[int]:
         """Appends ``records`` in order, all or none, and returns their sequence numbers.
 
         Args:
@@ -103,13 +106,15 @@ class LifecycleEventLog:
                 ``episode_id``, ``generation``, ``slot``, ``monotonic_ns`` and bool tensors ``valid_mask``
                 and ``anchor_mask`` of shape ``[max_steps]``. Anchors are kept only where frames are
                 valid.
+            reserved: Use space taken earlier with :meth:`reserve` (at least ``len(records)`` slots).
 
         Returns:
             The sequence numbers assigned, consecutive and in the order of ``records``.
 
         Raises:
             ValueError: If a record is malformed; nothing is written.
-            RuntimeError: If fewer than ``len(records)`` slots are free; nothing is written.
+            RuntimeError: If fewer than ``len(records)`` slots are free (or reserved, with
+                ``reserved=True``); nothing is written.
         """
         if not records:
             return []
@@ -117,7 +122,14 @@ class LifecycleEventLog:
         count = len(records)
         with self._condition:
             first = int(self._cursor[0])
-            if self._pending_locked() + count > self.capacity:
+            if reserved:
+                if int(self._cursor[2]) < count:
+                    raise RuntimeError(
+                        f"ODS lifecycle event log: appending {count} records into a reservation of "
+                        f"{int(self._cursor[2])}"
+                    )
+                self._cursor[2] -= count
+            elif self._free_locked() < count:
                 raise RuntimeError("ODS lifecycle event capacity exhausted")
             sequences = torch.arange(first, first + count, dtype=torch.int64)
             positions = sequences % self.capacity
@@ -130,11 +142,12 @@ class LifecycleEventLog:
             self._condition.notify_all()
         return sequences.tolist()
 
-    def wait_for_space(self, count: int, should_stop: Callable[[], bool], poll_s: float = 0.05) -> bool:
-        """Blocks until ``count`` slots are free or ``should_stop()`` returns true.
+    def reserve(self, count: int, should_stop: Callable[[], bool], poll_s: float = 0.05) -> bool:
+        """Takes ``count`` slots for later ``append(..., reserved=True)``, waiting while they are not free.
 
         Waits on the log's condition in slices of at most ``poll_s`` seconds (a drain wakes it at once)
-        and calls ``should_stop`` between slices, without holding the log's lock.
+        and calls ``should_stop`` between slices, without holding the log's lock. Give back what will not
+        be appended with :meth:`release`.
 
         Args:
             count: Slots needed, ``0 <= count <= capacity`` (more could never become free).
@@ -142,28 +155,34 @@ class LifecycleEventLog:
             poll_s: Longest single wait in seconds.
 
         Returns:
-            True once the space is free (it stays free until someone appends), False if stopped first.
+            True once the slots are reserved, False if stopped first (nothing reserved).
 
         Raises:
             ValueError: If ``count`` is outside ``[0, capacity]`` or ``poll_s`` is not positive.
         """
         if type(count) is not int or not 0 <= count <= self.capacity:
             raise ValueError(
-                f"LifecycleEventLog.wait_for_space count must be an int in [0, {self.capacity}], "
-                f"got {count!r}"
+                f"LifecycleEventLog.reserve count must be an int in [0, {self.capacity}], got {count!r}"
             )
         if not poll_s > 0:
-            raise ValueError(f"LifecycleEventLog.wait_for_space poll_s must be > 0, got {poll_s!r}")
+            raise ValueError(f"LifecycleEventLog.reserve poll_s must be > 0, got {poll_s!r}")
         while True:
             with self._condition:
-                if self.capacity - self._pending_locked() >= count:
+                if self._free_locked() >= count:
+                    self._cursor[2] += count
                     return True
             if should_stop():
                 return False
             with self._condition:
                 # Re-checked under the lock so a drain between the two blocks is not slept through.
-                if self.capacity - self._pending_locked() < count:
+                if self._free_locked() < count:
                     self._condition.wait(poll_s)
+
+    def release(self, count: int) -> None:
+        """Gives back ``count`` reserved slots that will not be appended (at most what is reserved)."""
+        with self._condition:
+            self._cursor[2] -= min(count, int(self._cursor[2]))
+            self._condition.notify_all()
 
     def drain(self) -> list[dict[str, Any]]:
         """Removes and returns every pending record in sequence order, waking producers waiting for space.
@@ -175,7 +194,7 @@ class LifecycleEventLog:
             ``eligible_anchors`` (their lengths).
         """
         with self._condition:
-            end, start = (int(value) for value in self._cursor)
+            end, start = int(self._cursor[0]), int(self._cursor[1])
             if end == start:
                 return []
             positions = torch.arange(start, end, dtype=torch.int64) % self.capacity
@@ -186,13 +205,16 @@ class LifecycleEventLog:
         return _decode(table, masks)
 
     def state_dict(self) -> dict[str, int]:
-        """Counters of the log: ``next_sequence`` (records ever appended) and ``pending``."""
+        """Counters of the log: ``next_sequence`` (records ever appended), ``pending`` and ``reserved``."""
         with self._condition:
-            end, start = (int(value) for value in self._cursor)
-        return {"next_sequence": end, "pending": end - start}
+            end, start, reserved = (int(value) for value in self._cursor)
+        return {"next_sequence": end, "pending": end - start, "reserved": reserved}
 
     def _pending_locked(self) -> int:
         return int(self._cursor[0] - self._cursor[1])
+
+    def _free_locked(self) -> int:
+        return self.capacity - self._pending_locked() - int(self._cursor[2])
 
     def _encode(self, records: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """Validates records and packs them into the table row and mask layout."""

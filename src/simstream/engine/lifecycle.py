@@ -131,16 +131,19 @@ class EngineLifecycle:
         if channel.read() is None and not cancelled:
             # Published, so consumers see why the engine failed instead of a bare state error.
             channel.publish(error, "owner")
-        cleanup_failed = False
+        cleanup_failure: BaseException | None = None
         try:
             forced = self._shutdown_workers()
             self._cleanup_complete = True
         except BaseException as cleanup_error:
-            forced, cleanup_failed = self._forced_shutdown, True
+            forced, cleanup_failure = self._forced_shutdown, cleanup_error
             add_note(error, f"Worker cleanup also failed: {cleanup_error}")
         published = channel.error()
         if published is not None and published is not error:
             add_note(error, f"Worker also failed during cleanup: {type(published).__name__}: {published}")
+        cleanup_failed = cleanup_failure is not None
+        if cleanup_failed:  # FAILED always carries a published error: consumers see why, stop() raises it
+            channel.publish(cleanup_failure, "owner")
         if forced:
             channel.publish(OnlineDataWorkerError(_DURABILITY_MESSAGE), "owner")
             add_note(error, _DURABILITY_MESSAGE)
@@ -165,7 +168,12 @@ class EngineLifecycle:
         supervisor = self._supervisor
         if supervisor is None or shared.close_event.is_set():
             return
-        for label, code in supervisor.dead_workers():
+        dead = supervisor.dead_workers()
+        if shared.close_event.is_set():
+            # stop() began meanwhile (dead_workers() waits while shutdown() joins the workers): these
+            # are the graceful exits it asked for, and stop() itself reports any death before it
+            return
+        for label, code in dead:
             error = RuntimeError(
                 f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
             )
@@ -202,8 +210,11 @@ class EngineLifecycle:
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
                 limit = self.cfg.shutdown_timeout + 10.0
                 self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
-                if self.state is State.STOPPED or self._cleanup_complete:
+                if self.state is State.STOPPED:
                     return
+                # start() failed after all (a source's close() raised, or a worker had to be forced):
+                # its cleanup is done, and this stop() raises what the channel holds, once
+                state = self.state
             self._stop_running(state)
 
     def _stop_running(self, state: State) -> None:
@@ -226,6 +237,7 @@ class EngineLifecycle:
             if error is not None:
                 add_note(error, f"Worker cleanup also failed: {cleanup_error}")
                 raise error from None
+            channel.publish(cleanup_error, "owner")  # a later stop() retries cleanup, then raises it
             raise
         error = channel.error() or error
         if forced:
@@ -271,6 +283,8 @@ class EngineLifecycle:
                 "OnlineDataEngine simulation worker remained alive after graceful shutdown, terminate(), "
                 "and kill()."
             )
+        if not report.monitor_stopped:  # cleanup stays incomplete: a later stop() tries again
+            raise RuntimeError("OnlineDataEngine worker monitor did not stop after the worker exited.")
         self._supervisor = None
         return report.forced
 

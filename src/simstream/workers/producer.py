@@ -64,6 +64,8 @@ class _Producer:
         self.source = source
         self.writer = EpisodeWriter(shared.storage, shared.index, shared.language, shared.run_id)
         self._owner_gone = owner_watch()
+        self._reserved_records = 0
+        """Lifecycle-log slots reserved for the current window's ``published`` records."""
 
     def closing(self) -> bool:
         """Stop when the owner asks, or when the owner process is gone (nobody could ever ask)."""
@@ -95,9 +97,18 @@ class _Producer:
 
     def _write_window(self, number: int, start: int, generation: int) -> bool:
         end = start + self.num_envs
-        shared = self.shared
-        if shared.events is not None and not self._log_evictions(start, end):
+        events = self.shared.events
+        if events is not None and not self._log_evictions(start, end):
             return False
+        try:
+            return self._fill_and_publish(number, start, end, generation)
+        finally:
+            if self._reserved_records:  # stopped (or failed) before publishing: give the space back
+                events.release(self._reserved_records)
+                self._reserved_records = 0
+
+    def _fill_and_publish(self, number: int, start: int, end: int, generation: int) -> bool:
+        shared = self.shared
         self.writer.claim(start, end)
         rows = shared.storage.rows_view(start, end, payload_only=True)
         attempts = shared.max_generation_attempts
@@ -134,24 +145,26 @@ class _Producer:
             else:
                 window = self.writer.publish(start, end, generation, first_id)
             if shared.events is not None:
-                shared.events.append(
-                    [
-                        self._record("published", row, window.published_monotonic_ns)
-                        for row in range(start, end)
-                    ]
-                )
+                records = [
+                    self._record("published", row, window.published_monotonic_ns) for row in range(start, end)
+                ]
+                shared.events.append(records, reserved=True)
+                self._reserved_records -= len(records)
         with progress.lock:
             progress.set("successful_episodes", progress.get("successful_episodes") + end - start)
             progress.set("generated_frames", progress.get("generated_frames") + frames)
 
     def _log_evictions(self, start: int, end: int) -> bool:
+        """Reserve the window's records (waiting while the log is full), then log its evictions."""
         events, index = self.shared.events, self.shared.index
         published = [row for row in range(start, end) if int(index.episode_id[row]) >= 0]
-        if not events.wait_for_space(end - start + len(published), self.closing):
+        # one reservation for both kinds: other workers cannot take the space between the two appends
+        if not events.reserve(end - start + len(published), self.closing):
             return False
+        self._reserved_records = end - start
         if published:
             now = time.monotonic_ns()
-            events.append([self._record("evicted", row, now) for row in published])
+            events.append([self._record("evicted", row, now) for row in published], reserved=True)
         return True
 
     def _record(self, kind: str, row: int, monotonic_ns: int) -> dict:

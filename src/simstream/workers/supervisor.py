@@ -116,6 +116,8 @@ class ShutdownReport:
     """``terminate()`` or ``kill()`` was needed for at least one worker."""
     exitcodes: dict[str, int | None] = field(default_factory=dict)
     still_alive: list[str] = field(default_factory=list)
+    monitor_stopped: bool = True
+    """The monitor thread ended; if not, the processes stay open (the monitor may still read them)."""
 
 
 class WorkerSupervisor:
@@ -234,8 +236,8 @@ class WorkerSupervisor:
                     process.join(join_s)
             report.exitcodes = {label: p.exitcode for label, p in self._processes.items()}
             report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
-        self.stop_monitor()
-        if not report.still_alive:
+        report.monitor_stopped = self.stop_monitor()
+        if not report.still_alive and report.monitor_stopped:
             with self._status_lock:
                 for process in self._processes.values():
                     process.close()
