@@ -114,6 +114,18 @@ def test_in_process_dataset_is_reproducible_with_a_seed():
         assert (first == second).all()
 
 
+def test_in_process_dataset_without_a_seed_draws_a_fresh_stream_per_iterator():
+    with OnlineDataEngine(make_cfg(refill_policy="manual", buffer_size=8)) as engine:
+        dataset = OnlineDataset(engine, chunk_size=3, batch_size=64)
+        torch.manual_seed(11)
+        first, second = next(iter(dataset)), next(iter(dataset))  # two epochs
+        other = next(iter(OnlineDataset(engine, chunk_size=3, batch_size=64)))  # e.g. a validation stream
+        assert not torch.equal(first["obs"], second["obs"])
+        assert not torch.equal(second["obs"], other["obs"])
+        torch.manual_seed(11)  # the global seed still makes the run reproducible
+        assert torch.equal(next(iter(dataset))["obs"], first["obs"])
+
+
 def test_dataset_argument_errors():
     with pytest.raises(TypeError, match="chunk_size must be an int or a ChunkSizeSampler, got str"):
         OnlineDataset(None, chunk_size="4")

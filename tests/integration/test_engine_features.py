@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from simstream import DataBudgetExhaustedError, OnlineDataEngine, OnlineDataEngineState
+from simstream import DataBudgetExhaustedError, DataUnavailableError, OnlineDataEngine, OnlineDataEngineState
 from tests.support.engines import make_cfg
 from tests.support.sources import ScriptedSpec
 
@@ -99,6 +99,24 @@ def test_generation_filter_restricts_context_anchors():
             engine.sample_batch_with_context(4, 2, 2, generations=(1,))
 
 
+def test_generation_filter_holds_while_producers_republish_rows():
+    """Rows republished between building the row filter and noting their versions are drawn again."""
+    spec = ScriptedSpec(num_envs=2, max_episode_steps=20, lengths=(20,))
+    cfg = make_cfg(spec, buffer_size=8, num_workers=2, include_provenance=True, refill_threshold=0)
+    with OnlineDataEngine(cfg) as engine:  # refill_threshold=0: producers rewrite rows back to back
+        served = 0
+        for _ in range(300):
+            generation = engine.get_stats()["completed_generation"]
+            try:
+                batch = engine.sample_batch_with_context(64, 2, 2, generations=(generation,))
+            except DataUnavailableError:  # every row of that generation was rewritten meanwhile
+                continue
+            anchors = batch["ods_generation"][:, 1]  # position H - 1 = 1 is the anchor, always valid
+            assert bool((anchors == generation).all()), anchors.unique().tolist()
+            served += 1
+        assert served > 0
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_quota_charges_whole_batches_and_refreshes_with_new_episodes(workers):
     cfg = make_cfg(
@@ -125,6 +143,25 @@ def test_quota_charges_whole_batches_and_refreshes_with_new_episodes(workers):
         fresh = engine.get_sampling_budget_snapshot()
         assert fresh["unlocked_remaining_chunks"] == 12 and fresh["total_delivered_chunks"] == 12
         assert min(r["episode_id"] for r in fresh["rows"]) == 4
+
+
+def test_quota_sampling_writes_into_out_and_checks_it_first():
+    cfg = make_cfg(buffer_size=4, episode_sample_budget=50, episode_sample_hard_limit=50)
+    with OnlineDataEngine(cfg) as engine:
+        first = engine.sample_batch(8, 3)
+        out = first.clone().zero_()
+        batch = engine.sample_batch(8, 3, out=out)
+        assert batch is out and bool(out["valid"].all())
+        steps = out["obs"][..., 1]
+        assert bool((steps[:, 1:] - steps[:, :-1] == 1).all())
+        delivered = engine.get_flow_status()["total_delivered_chunks"]
+        with pytest.raises(KeyError, match="out has no tensor at 'valid'"):
+            engine.sample_batch(8, 3, out=out.exclude("valid"))
+        wrong = out.clone()
+        wrong.set("episode_step", wrong.get("episode_step").float())
+        with pytest.raises(ValueError, match=r"out\['episode_step'\] must be a contiguous torch.int64"):
+            engine.sample_batch(8, 3, out=wrong)
+        assert engine.get_flow_status()["total_delivered_chunks"] == delivered  # nothing charged
 
 
 def test_lifecycle_log_orders_published_and_evicted_records_across_a_refill():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,6 +236,13 @@ def test_sampling_argument_errors():
             engine.sample_batch(1, 21)
         with pytest.raises(ValueError, match="chunk_size must be at least 1, got 0"):
             engine.sample_batch(1, 0)
+        with pytest.raises(ValueError, match=r"chunk_size must be an int >= 1, got 2\.0"):
+            engine.sample_batch(4, 2.0)
+        with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 2\.5"):
+            engine.sample_batch(2.5, 2)
+        with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got True"):
+            engine.sample_batch_with_context(True, 2, 2)
+        assert engine.sample_batch(np.int64(3), np.int32(2)).batch_size == torch.Size([3, 2])
         with pytest.raises(ValueError, match="sampling_mode must be 'episode', 'segment', or 'boundary'"):
             engine.sample_batch(1, 2, "frames")
         with pytest.raises(ValueError, match="boundary sampling requires chunk_size >= 2"):

@@ -10,9 +10,9 @@ from simstream.data import GMMChunkSampler, UniformChunkSampler
 
 
 def test_uniform_validation_and_repr():
-    with pytest.raises(ValueError, match="low must be ≥ 1, got 0"):
+    with pytest.raises(ValueError, match="low must be an int ≥ 1, got 0"):
         UniformChunkSampler(0, 3)
-    with pytest.raises(ValueError, match=r"high must be ≥ low \(4\), got 2"):
+    with pytest.raises(ValueError, match=r"high must be an int ≥ low \(4\), got 2"):
         UniformChunkSampler(4, 2)
     assert repr(UniformChunkSampler(2, 5)) == "UniformChunkSampler(low=2, high=5)"
 
@@ -30,12 +30,16 @@ def test_uniform_stays_in_bounds_and_is_seeded(low, span, seed):
     [
         ({"means": [], "stds": []}, "means must not be empty"),
         ({"means": [4], "stds": [1, 2]}, "stds must have 1 entries"),
-        ({"means": [4], "stds": [0]}, "every std must be > 0"),
+        ({"means": [4], "stds": [0]}, "every std must be finite and > 0"),
+        ({"means": [4], "stds": [float("nan")]}, "every std must be finite and > 0"),
+        ({"means": [float("inf")], "stds": [1]}, "every mean must be finite"),
+        ({"means": [4, 8], "stds": [1, 1], "weights": [float("nan"), 1]}, "every weight must be finite"),
         ({"means": [4], "stds": [1], "weights": [1, 1]}, "weights must have 1 entries"),
-        ({"means": [4], "stds": [1], "weights": [-1]}, "every weight must be ≥ 0"),
+        ({"means": [4], "stds": [1], "weights": [-1]}, "every weight must be finite and ≥ 0"),
         ({"means": [4], "stds": [1], "weights": [0]}, "weights must sum to a positive value"),
-        ({"means": [4], "stds": [1], "low": 0}, "low must be ≥ 1"),
-        ({"means": [4], "stds": [1], "high": 0}, "high must be ≥ 1"),
+        ({"means": [4], "stds": [1], "low": 0}, "low must be None or an int ≥ 1"),
+        ({"means": [4], "stds": [1], "low": 1.5}, r"low must be None or an int ≥ 1, got 1\.5"),
+        ({"means": [4], "stds": [1], "high": 0}, "high must be None or an int ≥ 1"),
         ({"means": [4], "stds": [1], "low": 5, "high": 3}, r"high must be ≥ low \(5\)"),
     ],
 )

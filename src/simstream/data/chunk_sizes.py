@@ -7,6 +7,7 @@ the global RNG that augmentations or model code use.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -38,10 +39,10 @@ class UniformChunkSampler(ChunkSizeSampler):
     """
 
     def __init__(self, low: int, high: int, seed: int | None = None) -> None:
-        if low < 1:
-            raise ValueError(f"low must be ≥ 1, got {low}.")
-        if high < low:
-            raise ValueError(f"high must be ≥ low ({low}), got {high}.")
+        if not _is_int(low) or low < 1:
+            raise ValueError(f"low must be an int ≥ 1, got {low!r}.")
+        if not _is_int(high) or high < low:
+            raise ValueError(f"high must be an int ≥ low ({low}), got {high!r}.")
         super().__init__(seed)
         self.low, self.high = low, high
 
@@ -77,21 +78,23 @@ class GMMChunkSampler(ChunkSizeSampler):
             raise ValueError("means must not be empty.")
         if len(stds) != len(means):
             raise ValueError(f"stds must have {len(means)} entries like means, got {len(stds)}.")
-        if any(s <= 0 for s in stds):
-            raise ValueError(f"every std must be > 0, got {list(stds)}.")
+        if not all(math.isfinite(m) for m in means):
+            raise ValueError(f"every mean must be finite, got {list(means)}.")
+        if not all(math.isfinite(s) and s > 0 for s in stds):
+            raise ValueError(f"every std must be finite and > 0, got {list(stds)}.")
         if weights is None:
             weights = [1.0] * len(means)
         if len(weights) != len(means):
             raise ValueError(f"weights must have {len(means)} entries like means, got {len(weights)}.")
-        if any(w < 0 for w in weights):
-            raise ValueError(f"every weight must be ≥ 0, got {list(weights)}.")
+        if not all(math.isfinite(w) and w >= 0 for w in weights):
+            raise ValueError(f"every weight must be finite and ≥ 0, got {list(weights)}.")
         total = float(sum(weights))
         if total <= 0:
             raise ValueError("weights must sum to a positive value.")
-        if low is not None and low < 1:
-            raise ValueError(f"low must be ≥ 1, got {low}.")
-        if high is not None and high < 1:
-            raise ValueError(f"high must be ≥ 1, got {high}.")
+        if low is not None and (not _is_int(low) or low < 1):
+            raise ValueError(f"low must be None or an int ≥ 1, got {low!r}.")
+        if high is not None and (not _is_int(high) or high < 1):
+            raise ValueError(f"high must be None or an int ≥ 1, got {high!r}.")
         if low is not None and high is not None and high < low:
             raise ValueError(f"high must be ≥ low ({low}), got {high}.")
         super().__init__(seed)
@@ -120,3 +123,8 @@ class GMMChunkSampler(ChunkSizeSampler):
             f"GMMChunkSampler(means={self.means}, stds={self.stds}, weights={self.weights}, "
             f"low={self.low}, high={self.high})"
         )
+
+
+def _is_int(value: object) -> bool:
+    """An integer of any integral type (Python or NumPy), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

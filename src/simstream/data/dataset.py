@@ -42,9 +42,13 @@ class OnlineDataset(IterableDataset):
             collate_fn=OnlineDataset.passthrough_collate_fn)``).
         transform: Applied to every yielded TensorDict; its return value is yielded.
         sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
-        seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``. ``None`` derives the
-            seed from torch's per-worker seed.
-        item_block: Chunks fetched per selection in item mode.
+        seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``, so every epoch
+            replays the same draws. ``None``: a fresh stream per iterator, from the seed ``DataLoader``
+            gives each worker of each iterator or, without workers, drawn from torch's global RNG (so
+            ``torch.manual_seed`` makes a run reproducible).
+        item_block: Chunks fetched per selection in item mode. With per-episode quotas a fetch is charged
+            whole, before its chunks are yielded: chunks fetched but never consumed still count. Use
+            ``item_block=1`` for exact accounting.
         worker_slots: Output slots per ``DataLoader`` worker, reused once the trainer process holds no
             reference to a batch (0: a fresh shared-memory batch each time). A batch the trainer forwards
             to another process must be cloned first when slots are on.
@@ -100,7 +104,12 @@ class OnlineDataset(IterableDataset):
     def _generator(self) -> torch.Generator:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        base = self.seed if self.seed is not None else torch.initial_seed()
+        if self.seed is not None:
+            base = self.seed
+        elif info is not None:
+            base = torch.initial_seed()  # DataLoader's seed for this worker of this iterator
+        else:  # initial_seed() never changes in one process: every epoch would replay the same draws
+            base = int(torch.randint(2**62, (), dtype=torch.int64))
         if isinstance(self.chunk_size, ChunkSizeSampler) and (self.seed is not None or info is not None):
             self.chunk_size.seed(base + worker)
         return torch.Generator().manual_seed((base + worker) % 2**63)

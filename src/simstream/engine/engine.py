@@ -8,6 +8,7 @@ sampling API; :mod:`simstream.engine.lifecycle` owns the processes.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import pickle
 import threading
@@ -174,6 +175,7 @@ class OnlineDataEngine(EngineLifecycle):
         """
         self._check_ready("sample_batch")
         steps = self.max_episode_steps
+        batch_size, chunk_size = _count("batch_size", batch_size), _count("chunk_size", chunk_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
         if chunk_size > steps:
@@ -236,6 +238,7 @@ class OnlineDataEngine(EngineLifecycle):
         ):
             raise ValueError("generations must be a nonempty tuple of positive integers")
         self._check_ready("sample_batch")
+        batch_size = _count("batch_size", batch_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
         if generations is not None and not self.cfg.include_provenance:
@@ -396,3 +399,12 @@ class OnlineDataEngine(EngineLifecycle):
         self._require_owner("drain_lifecycle_events")
         events = self._shared.events
         return [] if events is None else events.drain()
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as an ``int`` if it is an integer of any integral type (NumPy's too), else ``ValueError``."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    return int(value)

@@ -74,9 +74,7 @@ class WindowSampler:
         """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``."""
         steps, pad = self.storage.max_steps, self.storage.pad_index
         positions = np.arange(history_length + prediction_horizon - 1) - (history_length - 1)
-        row_filter = None
-        if generations is not None:
-            row_filter = np.isin(self.index.generation.numpy(), np.asarray(generations, dtype=np.int64))
+        wanted = None if generations is None else np.asarray(generations, dtype=np.int64)
 
         def frames(selection: WindowSelection) -> torch.Tensor:
             times = selection.starts[:, None] + positions
@@ -86,26 +84,39 @@ class WindowSampler:
         unavailable = (
             f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
         )
-        batch = self._sample(
-            batch_size, 1, mode, generator, row_filter, frames, unavailable, None, before_charge
-        )
+        batch = self._sample(batch_size, 1, mode, generator, wanted, frames, unavailable, None, before_charge)
         batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
     # -----------------------------------------------------------------------------------------------
+    def _rows_of(self, generations: np.ndarray | None) -> np.ndarray | None:
+        """Bool mask of the rows holding one of ``generations`` now (``None``: every row)."""
+        if generations is None:
+            return None
+        # a copy: producers write the live table, and isin() reads its input more than once
+        return np.isin(self.index.generation.numpy().copy(), generations)
+
     def _select(
-        self, count: int, chunk: int, mode: str, generator, row_filter, unavailable: str
+        self, count: int, chunk: int, mode: str, generator, generations: np.ndarray | None, unavailable: str
     ) -> WindowSelection:
         tables = self.tables.views()
-        drawn = draw_rows(tables, count, chunk, mode, generator, row_filter)
+        drawn = draw_rows(tables, count, chunk, mode, generator, self._rows_of(generations))
         if drawn is None:
             raise DataUnavailableError(unavailable)
         return draw_starts(tables, *drawn, chunk, mode, generator)
 
-    def _torn(self, selection: WindowSelection) -> np.ndarray:
-        """Items to draw again: unsampleable when selected, or their row changed since (seqlock)."""
+    def _torn(self, selection: WindowSelection, generations: np.ndarray | None = None) -> np.ndarray:
+        """Items to draw again: unsampleable when selected, or their row changed since (seqlock).
+
+        With ``generations``, also items whose row holds another generation: the row filter was built
+        before the rows' versions were noted, so a row republished in between passed it. The generation
+        is read before the versions are read again, so an unchanged version vouches for it.
+        """
+        stale = ~selection.ok
+        if generations is not None:
+            stale |= ~np.isin(self.index.generation.numpy()[selection.rows], generations)
         changed = self.tables.views().version[selection.rows] != selection.versions
-        return np.flatnonzero(~selection.ok | changed)
+        return np.flatnonzero(stale | changed)
 
     def _sample(
         self,
@@ -113,7 +124,7 @@ class WindowSampler:
         chunk,
         mode,
         generator,
-        row_filter,
+        generations: np.ndarray | None,
         frames: FrameMap,
         unavailable,
         out,
@@ -121,15 +132,15 @@ class WindowSampler:
     ) -> TensorDict:
         if self.quota is not None:
             return self._sample_with_quota(
-                batch_size, chunk, mode, generator, row_filter, frames, unavailable, before_charge
+                batch_size, chunk, mode, generator, generations, frames, unavailable, out, before_charge
             )
-        selection = self._select(batch_size, chunk, mode, generator, row_filter, unavailable)
+        selection = self._select(batch_size, chunk, mode, generator, generations, unavailable)
         batch = self.gatherer.gather(frames(selection), out)
         for _ in range(_MAX_TORN_ROUNDS):
-            torn = self._torn(selection)
+            torn = self._torn(selection, generations)
             if torn.size == 0:
                 return batch
-            redo = self._select(torn.size, chunk, mode, generator, row_filter, unavailable)
+            redo = self._select(torn.size, chunk, mode, generator, generations, unavailable)
             scratch = self.gatherer.empty(torn.size, batch.batch_size[1])
             redone = self.gatherer.gather(frames(redo), scratch)
             self.gatherer.replace_items(batch, torch.from_numpy(torn), redone)
@@ -139,13 +150,23 @@ class WindowSampler:
         )
 
     def _sample_with_quota(
-        self, batch_size, chunk, mode, generator, row_filter, frames: FrameMap, unavailable, before_charge
+        self,
+        batch_size,
+        chunk,
+        mode,
+        generator,
+        generations: np.ndarray | None,
+        frames: FrameMap,
+        unavailable,
+        out,
+        before_charge,
     ) -> TensorDict:
         quota = self.quota
-        filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
         with quota.lock:
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
+                row_filter = self._rows_of(generations)
+                filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
                 candidates = candidate_rows(self.index, chunk, mode, filter_tensor)
                 if candidates.numel() == 0:
                     raise DataUnavailableError(unavailable)
@@ -157,8 +178,8 @@ class WindowSampler:
                     )
                 rows = quota.draw_rows(candidates, batch_size, generator=generator).numpy()
                 selection = draw_starts(tables, rows, tables.version[rows], chunk, mode, generator)
-                batch = self.gatherer.gather(frames(selection))
-                if self._torn(selection).size:
+                batch = self.gatherer.gather(frames(selection), out)
+                if self._torn(selection, generations).size:
                     continue
                 if before_charge is not None:
                     before_charge()
