@@ -77,6 +77,19 @@ def test_demo_rejects_a_bad_option_with_exit_code_2(capsys):
     assert "DemoConfig.steps must be an int >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
+        (["--task", "nosuch"], "nosuch"),
+    ],
+)
+def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):
+    assert simstream(["stream", "--seconds", "1", *options]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys):
     strip = tmp_path / "strip.png"
     argv = ["inspect", "--episodes", "2", "--show", "1", "--frames", "4", "--image-size", "48"]

@@ -81,3 +81,42 @@ def hammer_ring(ring, rollouts: int) -> None:
         for i in range(row.numel()):
             row[i] = float(number)
         ring.commit(slot, number)
+
+
+class LockDeathRunner(AsyncRunner):
+    """Its collector takes the rollout ring's lock and is SIGKILLed holding it (an OOM kill, say)."""
+
+    def __init__(self) -> None:
+        from simstream.rl import RolloutRing
+
+        super().__init__(RunnerConfig(shutdown_timeout_s=5.0))
+        self.ring = self._register_shared(
+            RolloutRing({"x": ((4,), torch.float32)}, 2, "block", mp.get_context("spawn"))
+        )
+
+    def _get_default_device(self) -> str:
+        return "cpu"
+
+    def _build_learner(self):
+        return None
+
+    @staticmethod
+    def _collector_fn(stop_event, heartbeat, ring) -> None:
+        import os
+        import signal
+
+        heartbeat()
+        ring._lock.acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def learn(self, max_iterations: int = 1, save_interval: int = 50, log_dir: str | None = None):
+        self._start_collector({"ring": self.ring})
+
+        def poll(slice_s: float):
+            taken = self.ring.take(1)
+            if taken:
+                return taken
+            self.ring.wait_filled(slice_s)
+            return None
+
+        return self._wait_until(poll, 60.0, "rollout")

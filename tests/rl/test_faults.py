@@ -13,7 +13,7 @@ import time
 import pytest
 
 from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, CollectorHangError, RunnerConfig
-from tests.rl.collectors import ToyRunner
+from tests.rl.collectors import LockDeathRunner, ToyRunner
 from tests.rl.fault_env import HUGE_HEAD, HUGE_TAIL, env_id
 
 pytestmark = pytest.mark.timeout(90)
@@ -66,26 +66,26 @@ def _assert_cleaned_up(runner) -> None:
     [
         pytest.param(
             "create", None,
-            ["crashed with a Python exception", "RuntimeError: FaultEnv could not be created (injected)",
+            ["Collector process crashed.", "RuntimeError: FaultEnv could not be created (injected)",
              "fault_env.py"],
             id="env-creation",
         ),
         pytest.param(
             "raise", None,
-            ["crashed with a Python exception", "ValueError: injected failure in the middle of a rollout",
+            ["Collector process crashed.", "ValueError: injected failure in the middle of a rollout",
              "in step"],
             id="mid-rollout",
         ),
         pytest.param(
             "unpicklable", None,
-            ["crashed with a Python exception", "UnpicklableFaultError: an exception that cannot travel"],
+            ["Collector process crashed.", "UnpicklableFaultError: an exception that cannot travel"],
             id="unpicklable",
         ),
         pytest.param(
             "nan", None, ["NonFiniteError: non-finite values in 'rewards'"], id="nan-guard",
         ),
         pytest.param(
-            "sigkill", -9, ["killed by signal 9 (SIGKILL)", "out-of-memory killer", "dmesg"], id="sigkill",
+            "sigkill", -9, ["killed by signal 9 (SIGKILL)", "OOM killer", "dmesg"], id="sigkill",
         ),
         pytest.param(
             "segfault", -11,
@@ -99,7 +99,7 @@ def _assert_cleaned_up(runner) -> None:
         ),
         pytest.param(
             "exit135", 135,
-            ["exited with code 135", "shell-style status of signal 7 (SIGBUS)", "/dev/shm"],
+            ["exited with code 135 (shell-style signal 7, SIGBUS)", "shared memory", "/dev/shm"],
             id="exit-135",
         ),
     ],
@@ -166,4 +166,16 @@ def test_collector_returning_without_being_asked_is_a_death():
     with runner, pytest.raises(CollectorDiedError, match="exited with code 0") as info:
         runner.learn(10_000)
     assert info.value.exitcode == 0
+    assert mp.active_children() == []
+
+
+def test_a_collector_killed_holding_the_ring_lock_is_reported_as_dead():
+    """The learner's lock wait gives up (a bounded TimeoutError), then finds the dead collector."""
+    runner = LockDeathRunner()
+    try:
+        with pytest.raises(CollectorDiedError, match=r"killed by signal 9 \(SIGKILL\)") as caught:
+            runner.learn()
+        assert caught.value.exitcode == -9
+    finally:
+        runner.close()
     assert mp.active_children() == []

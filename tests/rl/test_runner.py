@@ -138,9 +138,16 @@ def test_checkpoint_and_resume_restore_every_part(tmp_path):
                 assert torch.equal(resumed.learner.state_dict()[key][name], tensor), (key, name)
         assert torch.equal(resumed.learner.normalizer.mean, state["normalizer"]["mean"])
         assert resumed.learner.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
-        resumed.learn(1, log_dir=None)
+        before = resumed.env_frames
+        summary = resumed.learn(1, log_dir=None)
         assert resumed.policy_version == 4
-        assert resumed.env_frames > resumed.config.frames_per_rollout  # frames of the first run count too
+        assert before == 3 * resumed.config.frames_per_rollout  # frames of the first run count too
+        assert resumed.env_frames == before + resumed.config.frames_per_rollout
+        # ... but rates count this run's frames over this run's time
+        stepped = summary["env_frames_per_s"] * summary["wall_time_s"]
+        assert stepped == pytest.approx(resumed.config.frames_per_rollout, rel=0.05)  # both rounded
+        row, frames = resumed.history[-1], resumed.config.frames_per_rollout
+        assert row["rl/env_frames_per_s"] * row["rl/wall_s"] == pytest.approx(frames)
 
 
 def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
@@ -191,6 +198,56 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
     assert summary["status"] == "collector_died"
     assert "injected failure" in summary["failure"]
     assert "injected failure" in (tmp_path / "dies" / "collector_crash.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--iterations", "0"], "--iterations must be an int >= 1, got 0"),
+        (["--save-interval", "0"], "--save-interval must be an int >= 1, got 0"),
+        (["--max-env-frames", "-5"], "--max-env-frames must be None or an int >= 1, got -5"),
+        (["--target-return", "nan"], "--target-return must be None or a finite number"),
+        (["--env", "NoSuch-v0"], "--env 'NoSuch-v0' is not a gymnasium environment here"),
+        (["--resume", "missing.pt"], "--resume 'missing.pt' is not a checkpoint file"),
+        (["--num-envs", "0"], "num_envs must be"),
+    ],
+)
+def test_cli_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):
+    from simstream.cli.rl import main
+
+    runs = tmp_path / "runs"
+    code = main(["--env", env_id("none"), "--runs-dir", str(runs), "--no-progress", *options])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert message in " ".join((captured.out + captured.err).split()), captured
+    assert "Traceback" not in captured.err
+    assert not runs.exists()
+
+
+def test_cli_names_a_runs_dir_it_cannot_create(tmp_path, capsys):
+    from simstream.cli.rl import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = main(["--env", env_id("none"), "--runs-dir", str(blocker), "--name", "x", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--runs-dir/--name: cannot create" in err and "Traceback" not in err
+
+
+def test_a_reused_run_directory_never_shows_an_earlier_crash(tmp_path, capsys):
+    from simstream.cli.rl import EXIT_COLLECTOR_DIED, main
+
+    common = ["--num-envs", "2", "--steps-per-rollout", "16", "--minibatch-size", "16",
+              "--runs-dir", str(tmp_path), "--name", "again", "--no-progress"]  # fmt: skip
+    assert main(["--env", env_id("raise"), *common]) == EXIT_COLLECTOR_DIED
+    assert "injected failure" in (tmp_path / "again" / "collector_crash.log").read_text()
+    capsys.readouterr()
+    assert main(["--env", env_id("sigkill"), *common]) == EXIT_COLLECTOR_DIED
+    err = capsys.readouterr().err
+    assert "killed by signal 9 (SIGKILL)" in err
+    assert "injected failure" not in err  # the first run's traceback is not this run's diagnosis
+    assert "Crash log:" not in err  # SIGKILL writes nothing, and the empty log is removed
+    assert not (tmp_path / "again" / "collector_crash.log").exists()
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 
 import numpy as np
@@ -27,25 +28,35 @@ CTX = mp.get_context("spawn")
 
 
 # ---------------------------------------------------------------- format_collector_death
+def test_format_collector_death_takes_the_exit_code_alone():
+    """Suites written against the reference call it with the exit code only."""
+    report = format_collector_death(135)
+    assert "shell-style signal 7" in report and "SIGBUS" in report and "shared memory" in report
+    assert "SIGBUS" in format_collector_death(-7)
+    assert "SIGKILL" in format_collector_death(137) and "OOM" in format_collector_death(137)
+
+
 @pytest.mark.parametrize(
     ("exitcode", "traceback_text", "fragments"),
     [
-        pytest.param(1, "Traceback ...\nValueError: boom", ["crashed with a Python exception (exit code 1)",
-                                                             "ValueError: boom"], id="traceback"),
-        pytest.param(None, "Traceback ...\nKeyError: 'x'", ["crashed with a Python exception:", "KeyError"],
+        pytest.param(1, "Traceback ...\nValueError: boom",
+                     ["Collector process crashed.", "traceback (exit code 1):", "ValueError: boom"],
+                     id="traceback"),
+        pytest.param(None, "Traceback ...\nKeyError: 'x'", ["crashed. Its Python traceback:", "KeyError"],
                      id="traceback-no-code"),
-        pytest.param(-9, None, ["killed by signal 9 (SIGKILL)", "out-of-memory", "dmesg | grep -i oom"],
+        pytest.param(-9, None, ["killed by signal 9 (SIGKILL)", "OOM killer", "dmesg | grep -i oom"],
                      id="sigkill"),
-        pytest.param(-7, None, ["signal 7 (SIGBUS)", "/dev/shm is full"], id="sigbus"),
+        pytest.param(-7, None, ["signal 7 (SIGBUS)", "shared memory", "/dev/shm is full"], id="sigbus"),
         pytest.param(-11, None, ["signal 11 (SIGSEGV)", "segmentation fault"], id="sigsegv"),
         pytest.param(-6, None, ["signal 6 (SIGABRT)", "abort()"], id="sigabrt"),
         pytest.param(-15, None, ["signal 15 (SIGTERM)"], id="sigterm-no-hint"),
-        pytest.param(135, None, ["code 135", "shell-style status of signal 7 (SIGBUS)", "/dev/shm"],
+        pytest.param(135, None,
+                     ["exited with code 135 (shell-style signal 7, SIGBUS)", "shared memory", "/dev/shm"],
                      id="135"),
-        pytest.param(137, None, ["code 137", "signal 9 (SIGKILL)", "out-of-memory"], id="137"),
-        pytest.param(139, None, ["signal 11 (SIGSEGV)"], id="139"),
+        pytest.param(137, None, ["code 137 (shell-style signal 9, SIGKILL)", "OOM"], id="137"),
+        pytest.param(139, None, ["shell-style signal 11, SIGSEGV"], id="139"),
         pytest.param(3, None, ["exited with code 3 without sending a Python traceback"], id="plain"),
-        pytest.param(None, None, ["exit code is unknown"], id="unknown"),
+        pytest.param(None, None, ["died (exit code unknown)"], id="unknown"),
         pytest.param(-64, "   ", ["signal 64 (SIG"], id="blank-traceback-unnamed-signal"),
     ],
 )  # fmt: skip
@@ -96,9 +107,12 @@ def test_appo_config_rejects_bad_values_naming_the_field(kwargs, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"hang_timeout_s": 0}, "RunnerConfig.hang_timeout_s must be > 0, got 0"),
+        ({"hang_timeout_s": 0}, "RunnerConfig.hang_timeout_s must be in (0, 1e6], got 0"),
+        ({"data_timeout_s": 1e7}, "RunnerConfig.data_timeout_s must be in (0, 1e6], got 10000000.0"),
+        ({"startup_timeout_s": float("nan")}, "RunnerConfig.startup_timeout_s must be in (0, 1e6], got nan"),
         ({"poll_interval_s": 2.0}, "RunnerConfig.poll_interval_s must be in (0, 0.5], got 2.0"),
-        ({"shutdown_timeout_s": -1}, "RunnerConfig.shutdown_timeout_s must be >= 0, got -1"),
+        ({"shutdown_timeout_s": -1}, "RunnerConfig.shutdown_timeout_s must be in [0, 1e6], got -1"),
+        ({"shutdown_timeout_s": math.inf}, "RunnerConfig.shutdown_timeout_s must be in [0, 1e6], got inf"),
     ],
 )
 def test_runner_config_rejects_bad_values(kwargs, message):

@@ -1,11 +1,13 @@
 """``simstream rl``: asynchronous PPO on a gymnasium MuJoCo task, with a progress bar and a run report.
 
 Writes TensorBoard logs, checkpoints, ``learning_curve.png`` and ``summary.json`` to ``runs/<name>/``.
-Exit codes: 0 done, 3 the collector died (its report is printed to stderr), 1 any other failure.
+Exit codes: 0 done, 2 a bad option (named in the message; nothing is written), 3 the collector died (its
+report is printed to stderr), 1 any other failure, 130 interrupted.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -46,6 +48,17 @@ class RLArgs:
     ppo: Annotated[APPOConfig, tyro.conf.arg(name="")] = field(default_factory=APPOConfig)
     """Algorithm and collector settings."""
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--iterations", self.iterations), ("--save-interval", self.save_interval)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{flag} must be an int >= 1, got {value!r}.")
+        frames = self.max_env_frames
+        if frames is not None and (type(frames) is not int or frames < 1):
+            raise ValueError(f"--max-env-frames must be None or an int >= 1, got {frames!r}.")
+        target = self.target_return
+        if target is not None and not math.isfinite(target):
+            raise ValueError(f"--target-return must be None or a finite number, got {target!r}.")
+
 
 def main(argv: list[str]) -> int:
     """Parse ``argv`` with tyro, train, write the report; returns the exit code."""
@@ -61,6 +74,9 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: RLArgs) -> int:
+    """Train as ``args`` say and write the run report; returns the exit code (see the module)."""
+    from gymnasium.error import Error as GymnasiumError
+
     from simstream.rl import APPORunner, CollectorDiedError
     from simstream.rl.report import write_learning_curve, write_summary
 
@@ -68,13 +84,27 @@ def run(args: RLArgs) -> int:
     mode = "serial" if cfg.serial else "sync" if cfg.sync else "async"
     name = args.name or f"{cfg.env_id.split(':')[-1]}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.join(args.runs_dir, name)
-    os.makedirs(run_dir, exist_ok=True)
+    # bad options end here, with exit code 2 and nothing created on disk
+    if args.resume is not None and not os.path.isfile(args.resume):
+        return _bad_option(f"--resume {args.resume!r} is not a checkpoint file.")
+    try:
+        runner = APPORunner(cfg, resume=args.resume)
+    except GymnasiumError as error:
+        return _bad_option(f"--env {cfg.env_id!r} is not a gymnasium environment here: {error}")
+    except ValueError as error:  # a checkpoint of another task
+        return _bad_option(str(error))
+    except Exception as error:
+        print(f"simstream rl: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as error:
+        runner.close()
+        return _bad_option(f"--runs-dir/--name: cannot create {run_dir!r}: {error}")
     print(f"simstream rl: {mode} PPO on {cfg.env_id}, {cfg.num_envs} envs; writing to {run_dir}", flush=True)
     bar = _Bar(args.max_env_frames) if args.progress else None
     code = 0
-    runner = None
     try:
-        runner = APPORunner(cfg, resume=args.resume)
         with runner:
             runner.learn(
                 args.iterations,
@@ -99,7 +129,7 @@ def run(args: RLArgs) -> int:
         _close(bar)
         print(f"\nsimstream rl: {type(error).__name__}: {error}", file=sys.stderr)
     _close(bar)
-    if runner is not None and runner.last_run_summary is not None:
+    if runner.last_run_summary is not None:
         summary = dict(runner.last_run_summary, run_dir=run_dir, close_report=repr(runner.last_close_report))
         write_summary(summary, os.path.join(run_dir, "summary.json"))
         if runner.history:
@@ -107,6 +137,11 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary)
     return code
+
+
+def _bad_option(message: str) -> int:
+    print(f"simstream rl: {message}", file=sys.stderr)
+    return 2
 
 
 class _Bar:
@@ -121,7 +156,7 @@ class _Bar:
         self.bar.update(frames - self.last_frames)
         self.last_frames = frames
         self.bar.set_postfix(
-            fps=f"{frames / max(row['rl/wall_s'], 1e-9):.0f}",
+            fps=f"{row['rl/env_frames_per_s']:.0f}",
             ret=f"{row['rl/return']:.1f}",
             lag=f"{row['rl/policy_lag']:.1f}",
             it=int(row["rl/iteration"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -77,5 +78,18 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    run_stream(tyro.cli(StreamArgs, args=argv, prog="simstream stream"))
+    """``simstream stream``; returns the exit code (0 done, 2 bad option, 1 other failure, 130 Ctrl-C)."""
+    try:
+        run_stream(tyro.cli(StreamArgs, args=argv, prog="simstream stream"))
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except ValueError as error:  # a setting out of range or an unknown task, named by the message
+        print(f"simstream stream: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nsimstream stream: interrupted; the producers are stopped", file=sys.stderr)
+        return 130
+    except Exception as error:  # the CLI reports; the library raises
+        print(f"\nsimstream stream: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -68,6 +68,7 @@ class APPORunner(AsyncRunner):
         self.iterations_done = 0
         self.trained_frames = 0
         self._frames_before = 0  # env frames of earlier runs (resume)
+        self._frames_at_learn = 0  # env_frames when the current (or last) learn() call began
         self.ring: RolloutRing | None = None
         self.weights: WeightBuffer | None = None
         self._serial: RolloutCollector | None = None
@@ -148,10 +149,15 @@ class APPORunner(AsyncRunner):
             torch.set_num_threads(self.config.learner_num_threads)
         writer = _tensorboard(log_dir)
         started, status, failure, checkpoint = time.monotonic(), "running", None, None
+        self._frames_at_learn = self.env_frames  # rates count this call's frames, not a resumed run's
         try:
             self._ensure_started(log_dir)
             for _ in range(max_iterations):
-                row = self._iterate(started)
+                try:
+                    row = self._iterate(started)
+                except TimeoutError:  # the ring's lock, say, held by a collector that died holding it
+                    self.check_collector()
+                    raise
                 if writer is not None:
                     for key, value in row.items():
                         writer.add_scalar(key, value, int(row["rl/env_frames"]))
@@ -200,6 +206,7 @@ class APPORunner(AsyncRunner):
             "rl/iteration": float(self.iterations_done),
             "rl/wall_s": wall,
             "rl/env_frames": float(self.env_frames),
+            "rl/env_frames_per_s": (self.env_frames - self._frames_at_learn) / max(wall, 1e-9),
             "rl/trained_frames": float(self.trained_frames),
             "rl/return": self.mean_return,
             "rl/episode_length": sum(self._lengths) / len(self._lengths) if self._lengths else float("nan"),
@@ -316,7 +323,9 @@ class APPORunner(AsyncRunner):
             "env_frames": self.env_frames,
             "trained_frames": self.trained_frames,
             "wall_time_s": round(wall_s, 3),
-            "env_frames_per_s": round(self.env_frames / wall_s, 1) if wall_s > 0 else None,
+            "env_frames_per_s": (
+                round((self.env_frames - self._frames_at_learn) / wall_s, 1) if wall_s > 0 else None
+            ),
             "final_return": None if not self._returns else self.mean_return,
             "best_return": None if self._best_return == float("-inf") else self._best_return,
             "mean_episode_length": (sum(self._lengths) / len(self._lengths)) if self._lengths else None,

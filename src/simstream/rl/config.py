@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .._validation import require_int
+from ..config import MAX_TIMEOUT_S
 
 __all__ = ["APPOConfig", "RunnerConfig"]
 
@@ -19,6 +20,10 @@ def _require(ok: bool, owner: str, name: str, accepted: str, value: object, cons
     if not ok:
         tail = f" {consequence}" if consequence else ""
         raise ValueError(f"{owner}.{name} must be {accepted}, got {value!r}.{tail}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(owner: str, name: str, value: float) -> None:
@@ -49,14 +54,19 @@ class RunnerConfig:
     """The longest the learner waits for one rollout from a live, beating collector."""
 
     def __post_init__(self) -> None:
+        # process joins poll(2) in int32 milliseconds: longer waits would overflow
         for name in ("hang_timeout_s", "startup_timeout_s", "data_timeout_s"):
-            _positive("RunnerConfig", name, getattr(self, name))
+            value = getattr(self, name)
+            _require(
+                _finite(value) and 0 < value <= MAX_TIMEOUT_S, "RunnerConfig", name, "in (0, 1e6]", value
+            )
+        value = self.shutdown_timeout_s
         _require(
-            isinstance(self.shutdown_timeout_s, (int, float)) and self.shutdown_timeout_s >= 0,
+            _finite(value) and 0 <= value <= MAX_TIMEOUT_S,
             "RunnerConfig",
             "shutdown_timeout_s",
-            ">= 0",
-            self.shutdown_timeout_s,
+            "in [0, 1e6]",
+            value,
         )
         _require(
             isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 0.5,

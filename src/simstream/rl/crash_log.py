@@ -18,7 +18,7 @@ FILE_NAME = "collector_crash.log"
 
 
 class CrashLog:
-    """Owns ``<directory>/collector_crash.log``; without a directory, a temporary one."""
+    """Owns ``<directory>/collector_crash.log``, emptied when created (else a temporary directory)."""
 
     def __init__(self, directory: str | None) -> None:
         self.owns_directory = directory is None
@@ -26,6 +26,9 @@ class CrashLog:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, FILE_NAME)
+        # a run directory may be reused: an earlier run's crash must never read as this run's
+        with open(self.path, "w"):
+            pass
 
     def size(self) -> int:
         return os.path.getsize(self.path) if os.path.exists(self.path) else 0

@@ -15,12 +15,13 @@ __all__ = ["CollectorDiedError", "CollectorHangError", "format_collector_death",
 
 _HINTS: dict[int, str] = {
     int(signal.SIGKILL): (
-        "SIGKILL is almost always the kernel's out-of-memory killer (or an operator's `kill -9`). "
-        "Check `dmesg | grep -i oom`, then lower num_envs or the ring size."
+        "SIGKILL is almost always the kernel's OOM killer (the machine ran out of memory) or an operator's "
+        "`kill -9`. Check `dmesg | grep -i oom`, then lower num_envs or the ring size."
     ),
     int(signal.SIGBUS): (
-        "SIGBUS means a mapped page could not be backed: usually /dev/shm is full (check `df -h /dev/shm`; "
-        "in Docker raise --shm-size), otherwise CUDA pinned memory or a WSL runtime/driver fault."
+        "SIGBUS means a page of native mmap/shared memory could not be backed: usually /dev/shm is full "
+        "(check `df -h /dev/shm`; in Docker raise --shm-size), otherwise CUDA pinned memory or a WSL "
+        "runtime/driver fault."
     ),
     int(signal.SIGSEGV): (
         "SIGSEGV is a segmentation fault in native code: the simulator, a C extension or a CUDA kernel. "
@@ -38,7 +39,7 @@ def _hint(number: int) -> str:
     return f"\nHint: {text}" if text else ""
 
 
-def format_collector_death(exitcode: int | None, traceback_text: str | None) -> str:
+def format_collector_death(exitcode: int | None, traceback_text: str | None = None) -> str:
     """Describe a dead collector, picking the first branch that applies.
 
     1. A Python traceback arrived: it is the cause, quoted in full.
@@ -47,11 +48,13 @@ def format_collector_death(exitcode: int | None, traceback_text: str | None) -> 
     4. Any other exit code.
     5. No exit code at all.
 
-    SIGKILL (out of memory), SIGBUS (shared memory full), SIGSEGV and SIGABRT get a hint.
+    SIGKILL (OOM killer), SIGBUS (shared memory full), SIGSEGV and SIGABRT get a hint. The first line
+    carries the reference runner's phrases ("crashed.", "killed by signal N (NAME)", "exited with code X
+    (shell-style signal N, NAME)", "died (exit code unknown)"), so reports can be matched the same way.
 
     Args:
         exitcode: The process exit code (negative for a signal), or ``None`` when unknown.
-        traceback_text: The Python traceback the collector sent, if any.
+        traceback_text: The Python traceback the collector sent, if any (``None``: none arrived).
 
     Returns:
         A multi-line report.
@@ -62,9 +65,9 @@ def format_collector_death(exitcode: int | None, traceback_text: str | None) -> 
     """
     if traceback_text and traceback_text.strip():
         status = "" if exitcode is None else f" (exit code {exitcode})"
-        return f"Collector process crashed with a Python exception{status}:\n{traceback_text.rstrip()}"
+        return f"Collector process crashed. Its Python traceback{status}:\n{traceback_text.rstrip()}"
     if exitcode is None:
-        return "Collector process died; its exit code is unknown and it left no Python traceback."
+        return "Collector process died (exit code unknown) and left no Python traceback."
     if exitcode < 0:
         number = -exitcode
         return (
@@ -75,8 +78,8 @@ def format_collector_death(exitcode: int | None, traceback_text: str | None) -> 
     if exitcode >= 128:
         number = exitcode - 128
         return (
-            f"Collector process exited with code {exitcode}, the shell-style status of signal {number} "
-            f"({signal_name(number)}).\nA native termination like this leaves no Python traceback."
+            f"Collector process exited with code {exitcode} (shell-style signal {number}, "
+            f"{signal_name(number)}).\nA native termination like this leaves no Python traceback."
             + _hint(number)
         )
     return f"Collector process exited with code {exitcode} without sending a Python traceback."

@@ -212,7 +212,11 @@ class AsyncRunner(ABC):
         while True:
             self.check_collector()
             remaining = deadline - time.monotonic()
-            result = poll(max(0.0, min(self.runner_config.poll_interval_s, remaining)))
+            try:
+                result = poll(max(0.0, min(self.runner_config.poll_interval_s, remaining)))
+            except TimeoutError:  # e.g. a shared lock never released: the collector died holding it?
+                self.check_collector()
+                raise
             if result is not None:
                 return result
             if time.monotonic() >= deadline:
@@ -245,7 +249,7 @@ class AsyncRunner(ABC):
             native = self._crash_log.read()
             if native:
                 report += f"\nOutput in the collector's crash log (faulthandler):\n{native}"
-        if not self._crash_log.owns_directory:
+        if not self._crash_log.owns_directory and self._crash_log.size():  # an empty log is removed at close
             report += f"\nCrash log: {self._crash_log.path}"
         error = CollectorDiedError(report, exitcode, traceback_text)
         if traceback_text is not None:
