@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
+import threading
+
 import pytest
 
 from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
@@ -157,3 +162,42 @@ def _try_owner_calls(engine, queue) -> None:
         except RuntimeError as error:
             messages[op] = str(error)
     queue.put(messages)
+
+
+def _take_and_die(lock, taken) -> None:
+    lock.acquire()
+    taken.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_shared_lock_left_held_by_a_killed_process_does_not_hang_the_trainer():
+    """A process SIGKILLed inside the progress lock never releases it; sample_batch waits for it in
+    bounded slices and raises the worker's death once the supervisor publishes it."""
+    engine = _started(ScriptedSpec(), refill_policy="manual")
+    try:
+        ctx = mp.get_context("fork")
+        taken = ctx.Event()
+        holder = ctx.Process(target=_take_and_die, args=(engine._shared.progress.lock, taken))
+        holder.start()
+        assert taken.wait(30)
+        holder.join(30)
+        outcome: list[BaseException] = []
+
+        def sample() -> None:
+            try:
+                engine.sample_batch(4, 2)  # copies, then counts the chunks under the progress lock
+            except BaseException as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "sample_batch should be waiting for the progress lock"
+        os.kill(engine._supervisor.processes["producer-0"].pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "the wait for the lock did not end"
+        assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+        assert "exited unexpectedly (exit code -9, signal SIGKILL)" in str(outcome[0])
+    finally:
+        with pytest.raises(RuntimeError):
+            engine.stop()

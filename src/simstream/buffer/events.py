@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .._bounded import held
+
 __all__ = ["LifecycleEventLog"]
 
 _KINDS = ("published", "evicted")
@@ -184,8 +186,12 @@ class LifecycleEventLog:
             self._cursor[2] -= min(count, int(self._cursor[2]))
             self._condition.notify_all()
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self, check: Callable[[], None] | None = None) -> list[dict[str, Any]]:
         """Removes and returns every pending record in sequence order, waking producers waiting for space.
+
+        Args:
+            check: Called every 0.1 s while the log's lock is held elsewhere; it ends the wait by raising
+                (a producer killed while appending never releases the lock).
 
         Returns:
             Plain dicts (no shared memory) with ``kind``, ``sequence``, ``run_id``, ``episode_id``,
@@ -193,7 +199,7 @@ class LifecycleEventLog:
             ``eligible_anchor_indices`` (lists of frame indices), ``valid_frames`` and
             ``eligible_anchors`` (their lengths).
         """
-        with self._condition:
+        with held(self._condition, check):
             end, start = int(self._cursor[0]), int(self._cursor[1])
             if end == start:
                 return []

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from tensordict import TensorDict
 
+from .._bounded import held
 from ..buffer.index import EPISODE, EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..config import OnlineDataEngineCfg
@@ -190,7 +191,7 @@ class OnlineDataEngine(EngineLifecycle):
             raise ValueError("boundary sampling requires chunk_size >= 2.")
         try:
             batch = self._sampler.sample_chunks(
-                batch_size, chunk_size, sampling_mode, generator, out=out, before_charge=self._raise_if_failed
+                batch_size, chunk_size, sampling_mode, generator, out=out, check_failed=self._raise_if_failed
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -251,7 +252,7 @@ class OnlineDataEngine(EngineLifecycle):
                 sampling_mode,
                 generator,
                 generations,
-                before_charge=self._raise_if_failed,
+                check_failed=self._raise_if_failed,
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -331,7 +332,7 @@ class OnlineDataEngine(EngineLifecycle):
 
     def get_stats(self) -> dict[str, int | float]:
         """Counters of production and sampling (no state check; cheap)."""
-        values = self._shared.progress.snapshot()
+        values = self._shared.progress.snapshot(self._raise_if_failed)
         index = self._shared.index
         stable = index.stable_rows()
         return {
@@ -349,7 +350,7 @@ class OnlineDataEngine(EngineLifecycle):
     def get_flow_status(self) -> dict[str, int | None]:
         """Generations, episodes and (with quotas) the remaining and delivered chunk counts."""
         self.check_health()
-        values = self._shared.progress.snapshot()
+        values = self._shared.progress.snapshot(self._raise_if_failed)
         status = {
             "requested_generation": values["requested_generation"],
             "completed_generation": values["completed_generation"],
@@ -359,7 +360,7 @@ class OnlineDataEngine(EngineLifecycle):
         }
         quota = self._shared.quota
         if quota is not None:
-            with quota.lock:
+            with held(quota.lock, self._raise_if_failed):
                 status["unlocked_remaining_chunks"] = quota.unlocked_remaining(self._sampleable_rows())
                 status["total_delivered_chunks"] = quota.total_delivered()
         return status
@@ -379,7 +380,7 @@ class OnlineDataEngine(EngineLifecycle):
                 "clock_origin_monotonic_ns": None,
             }
         index = self._shared.index
-        with quota.lock:
+        with held(quota.lock, self._raise_if_failed):
             return {
                 "enabled": True,
                 "rows": quota.snapshot(~index.stable_rows()),
@@ -398,7 +399,7 @@ class OnlineDataEngine(EngineLifecycle):
         """Pending ``published``/``evicted`` records in order (owner only); frees their log space."""
         self._require_owner("drain_lifecycle_events")
         events = self._shared.events
-        return [] if events is None else events.drain()
+        return [] if events is None else events.drain(self._raise_if_failed)
 
 
 def _count(name: str, value: object) -> int:

@@ -6,6 +6,8 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 
+from .._bounded import held
+
 __all__ = ["ProducerProgress"]
 
 _COUNTERS = (
@@ -96,8 +98,9 @@ class ProducerProgress:
         base = len(_COUNTERS)
         return min(self._values[base : base + self._num_workers])
 
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
+    def snapshot(self, check: Callable[[], None] | None = None) -> dict[str, int]:
+        """Every counter plus ``completed_generation``; ``check`` bounds the lock wait (see ``held``)."""
+        with held(self.lock, check):
             values = {name: self._values[i] for i, name in enumerate(_COUNTERS)}
             values["completed_generation"] = self.completed_generation
         return values

@@ -6,6 +6,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._bounded import held
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..language import SharedLanguageRegistry
@@ -41,6 +42,12 @@ class EngineShared:
     run_id: int
     max_generation_attempts: int
 
+    def raise_if_failed(self) -> None:
+        """Raise the published failure, if any (the check of every bounded wait on a shared lock)."""
+        error = self.channel.error()
+        if error is not None:
+            raise error
+
     def wake_all(self) -> None:
         for event in self.wake_events:
             event.set()
@@ -52,7 +59,7 @@ class EngineShared:
             The generation that will satisfy the request.
         """
         progress = self.progress
-        with progress.lock:
+        with held(progress.lock, self.raise_if_failed):
             requested = progress.get("requested_generation")
             if requested <= progress.completed_generation:
                 requested += 1
@@ -67,7 +74,7 @@ class EngineShared:
         outstanding still count toward the next one.
         """
         progress = self.progress
-        with progress.lock:
+        with held(progress.lock, self.raise_if_failed):
             progress.set("sampled_chunks", progress.get("sampled_chunks") + count)
             if refill_after is None:
                 return

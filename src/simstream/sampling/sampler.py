@@ -3,7 +3,9 @@
 The sampler holds no lock against producers. It notes each selected row's seqlock version, copies the
 frames, and re-reads the versions: an item whose row was claimed by a producer meanwhile is drawn again.
 With per-episode quotas, selection, copy and debit happen under the quota lock so that a batch is charged
-all-or-nothing; producers take that lock only to publish fresh quotas.
+all-or-nothing; producers take that lock only to publish fresh quotas. ``check_failed`` (the engine's
+failure check) runs before a batch is charged and while the quota lock is held elsewhere, so a producer
+killed while holding it ends the wait with its error instead of a hang.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from .._bounded import held
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
@@ -45,7 +48,7 @@ class WindowSampler:
         generator: torch.Generator | None,
         *,
         out: TensorDict | None = None,
-        before_charge: Callable[[], None] | None = None,
+        check_failed: Callable[[], None] | None = None,
     ) -> TensorDict:
         """``batch_size`` windows of ``chunk_size`` valid frames; every key copied."""
         steps = self.storage.max_steps
@@ -58,7 +61,7 @@ class WindowSampler:
             f"sampling_mode={mode!r} and chunk_size={chunk_size}."
         )
         return self._sample(
-            batch_size, chunk_size, mode, generator, None, frames, unavailable, out, before_charge
+            batch_size, chunk_size, mode, generator, None, frames, unavailable, out, check_failed
         )
 
     def sample_contexts(
@@ -69,7 +72,7 @@ class WindowSampler:
         mode: str,
         generator: torch.Generator | None,
         generations: tuple[int, ...] | None = None,
-        before_charge: Callable[[], None] | None = None,
+        check_failed: Callable[[], None] | None = None,
     ) -> TensorDict:
         """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``."""
         steps, pad = self.storage.max_steps, self.storage.pad_index
@@ -84,7 +87,7 @@ class WindowSampler:
         unavailable = (
             f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
         )
-        batch = self._sample(batch_size, 1, mode, generator, wanted, frames, unavailable, None, before_charge)
+        batch = self._sample(batch_size, 1, mode, generator, wanted, frames, unavailable, None, check_failed)
         batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
@@ -128,11 +131,11 @@ class WindowSampler:
         frames: FrameMap,
         unavailable,
         out,
-        before_charge,
+        check_failed,
     ) -> TensorDict:
         if self.quota is not None:
             return self._sample_with_quota(
-                batch_size, chunk, mode, generator, generations, frames, unavailable, out, before_charge
+                batch_size, chunk, mode, generator, generations, frames, unavailable, out, check_failed
             )
         selection = self._select(batch_size, chunk, mode, generator, generations, unavailable)
         batch = self.gatherer.gather(frames(selection), out)
@@ -159,10 +162,10 @@ class WindowSampler:
         frames: FrameMap,
         unavailable,
         out,
-        before_charge,
+        check_failed,
     ) -> TensorDict:
         quota = self.quota
-        with quota.lock:
+        with held(quota.lock, check_failed):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
                 row_filter = self._rows_of(generations)
@@ -181,8 +184,8 @@ class WindowSampler:
                 batch = self.gatherer.gather(frames(selection), out)
                 if self._torn(selection, generations).size:
                     continue
-                if before_charge is not None:
-                    before_charge()
+                if check_failed is not None:
+                    check_failed()
                 quota.debit(torch.from_numpy(selection.rows))
                 return batch
         raise DataUnavailableError(

@@ -1,0 +1,59 @@
+"""``held``: a lock whose holder was killed ends the wait through the check, never a hang."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from simstream._bounded import held
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _take_and_die(lock, taken) -> None:
+    lock.acquire()
+    taken.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HolderDied(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_lock_left_held_by_a_killed_process_ends_the_wait_through_the_check(method):
+    ctx = mp.get_context(method)
+    lock, taken = ctx.Lock(), ctx.Event()
+    holder = ctx.Process(target=_take_and_die, args=(lock, taken))
+    holder.start()
+    assert taken.wait(30)
+    holder.join(30)
+    assert holder.exitcode == -signal.SIGKILL
+    checks = []
+
+    def check() -> None:
+        checks.append(None)
+        if len(checks) == 3:
+            raise HolderDied("the holder died")
+
+    with pytest.raises(HolderDied), held(lock, check, slice_s=0.01):
+        pytest.fail("the lock was never released")
+    assert len(checks) == 3
+
+
+def test_a_free_lock_is_taken_at_once_and_released_after(method="fork"):
+    lock = mp.get_context(method).Lock()
+    with held(lock, lambda: pytest.fail("must not wait")):
+        assert not lock.acquire(False)
+    assert lock.acquire(False)
+    lock.release()
+
+
+def test_the_lock_is_released_when_the_body_raises():
+    lock = mp.get_context("fork").Lock()
+    with pytest.raises(KeyError), held(lock, None):
+        raise KeyError("body")
+    assert lock.acquire(False)
