@@ -80,7 +80,7 @@ def _released(arena: int) -> bool | None:
     for pool in slots_module._RECEIVED.values():
         for index, slot in pool.slots.items():
             if slot.anchor.untyped_storage().data_ptr() == arena:
-                return not slot.received and int(pool.flags[index]) == 0
+                return slot.trips == 0 and int(pool.flags[1, index]) == int(pool.flags[0, index])
     return None
 
 
@@ -251,6 +251,72 @@ def test_an_arrival_from_any_worker_frees_every_worker_s_dropped_slots():
     assert _pointer(worker_a.acquire(layout)) == arena_a and worker_a.fallbacks == 0
     assert worker_a._slots[1] is None
     del received_b
+
+
+def test_a_slot_sent_twice_is_free_only_once_the_trainer_dropped_both_trips():
+    """A transform may send a slot again (with the previous batch) while its first trip is still held."""
+    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    slots = WorkerSlots(max_slots=3)
+    batch = slots.acquire(layout)
+    arena = _pointer(batch)
+    batch["obs"].fill_(1.0)
+    first_trip = _send(slots, batch)
+    second_trip = _send(slots, batch)  # the same slot, again
+    del batch
+    del first_trip  # the trainer drops one trip and holds the other
+    other = slots.acquire(layout)
+    other_arena = _pointer(other)
+    assert other_arena != arena
+    received_other = _send(slots, other)  # an arrival: the trainer releases what it no longer holds
+    del other
+    assert _pointer(slots.acquire(layout)) != arena, "the second trip is still held by the trainer"
+    assert second_trip["obs"].tolist() == [[1.0] * 3] * 4
+    del second_trip
+    del received_other
+    third = slots.acquire(layout)  # nothing arrived since: the trainer has not returned the slot yet
+    received_third = _send(slots, third)  # this arrival returns both trips
+    del third
+    reused = [slots.acquire(layout), slots.acquire(layout)]
+    assert {_pointer(batch) for batch in reused} == {arena, other_arena} and slots.fallbacks == 0
+    del received_third
+
+
+def test_the_trainer_keeps_the_slot_tables_of_every_live_worker():
+    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    workers = [WorkerSlots(max_slots=1) for _ in range(80)]  # e.g. several persistent loaders
+    for slots in workers:
+        batch = slots.acquire(layout)
+        del batch
+        _send(slots, slots.acquire(layout))
+    batch = workers[0].acquire(layout)  # a reference now: its table must still be known here
+    batch["obs"].fill_(4.0)
+    assert _send(workers[0], batch)["obs"].tolist() == [[4.0] * 3] * 4
+
+
+class _WithPrevious:
+    """A transform that also returns the batch before: its slot travels a second time."""
+
+    def __init__(self) -> None:
+        self.previous = None
+
+    def __call__(self, batch):
+        pair = {"now": batch, "before": batch if self.previous is None else self.previous}
+        self.previous = batch
+        return pair
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_batch_sent_again_by_a_transform_is_never_rewritten_while_held(context):
+    with _refilling_engine() as engine:
+        loader = _loader(engine, workers=1, context=context, transform=_WithPrevious())
+        with _iterating(loader) as iterator:
+            for _ in range(12):
+                held = next(iterator)
+                copy = held["before"].clone()
+                for _ in range(3):  # the next batches are fetched while the trainer works on this one
+                    next(iterator)
+                assert (held["before"] == copy).all()
+                del held
 
 
 def test_receiving_a_slot_of_an_unknown_worker_or_generation_fails_clearly():

@@ -7,14 +7,17 @@ shared arenas allocated once. The first time a slot crosses to the trainer it tr
 (one file descriptor); afterwards only its ``(pool, slot, generation)`` reference is pickled, and the
 trainer rebuilds the batch's tensors on the storage it already maps.
 
-Release protocol, one shared int64 flag per slot:
+Release protocol, two shared int64 counters per slot, each written by one process only:
 
-* the worker marks a slot HANDED when a tensor viewing it is pickled (in the queue's feeder thread);
-* the trainer process, each time it receives a batch from any worker, marks FREE every slot it received
-  earlier that nothing in the trainer process references any more (no tensor, view, storage object or
-  NumPy array: the storage's use count and its storage object's Python reference count are those of the
-  registry alone, the check :class:`~simstream.sampling.gather.ArenaPool` makes in-process);
-* the worker writes a slot again only when it is FREE and the worker holds no reference to it either.
+* ``handed``: the worker counts every trip of the slot to the trainer (each time a tensor viewing it is
+  pickled), the same slot possibly several times (a transform that also returns the previous batch);
+* ``returned``: the trainer process, each time it receives a batch from any worker, adds to it the trips
+  of every slot it received earlier that nothing in the trainer process references any more (no tensor,
+  view, storage object or NumPy array: the storage's use count and its storage object's Python reference
+  count are those of the registry alone, the check :class:`~simstream.sampling.gather.ArenaPool` makes
+  in-process);
+* the worker writes a slot again only when ``returned == handed`` (no trip in flight or held) and the
+  worker holds no reference to it either.
 
 A worker whose slots are all in use allocates a fresh shared batch instead, so nobody ever waits on a slot.
 What cannot be tracked is a batch the trainer forwards to a third process and then drops: clone such a
@@ -40,8 +43,8 @@ from ..sampling.gather import BatchLayout, shared_arena, storage_use_count, use_
 
 __all__ = ["WorkerSlots", "current_worker_slots", "worker_batch", "worker_slots"]
 
-_FREE, _HANDED = 0, 1
-_MAX_RECEIVED_POOLS = 64
+_HANDED, _RETURNED = 0, 1
+"""Rows of a worker's ``[2, max_slots]`` trip counters."""
 
 
 def _counts(anchor: torch.Tensor) -> tuple[int, int]:
@@ -91,9 +94,9 @@ class WorkerSlots:
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.key = (os.getpid(), secrets.token_hex(8))
-        self._flags_anchor = shared_arena(8 * max_slots)
-        self._flags = self._flags_anchor.view(torch.int64).numpy()
-        self._flags[:] = _FREE
+        self._flags_anchor = shared_arena(2 * 8 * max_slots)
+        self._flags = self._flags_anchor.view(torch.int64).view(2, max_slots).numpy()
+        self._flags[:] = 0
         self._flags_sent = False
         self._slots: list[_Slot | None] = [None] * max_slots
         self._by_pointer: dict[int, int] = {}
@@ -136,7 +139,8 @@ class WorkerSlots:
         return held + nbytes <= self.max_bytes
 
     def _is_free(self, index: int, slot: _Slot) -> bool:
-        return int(self._flags[index]) == _FREE and _counts(slot.anchor) == slot.baseline
+        trips = self._flags[:, index]
+        return int(trips[_RETURNED]) == int(trips[_HANDED]) and _counts(slot.anchor) == slot.baseline
 
     def _create(self, index: int, layout: BatchLayout) -> TensorDict:
         old = self._slots[index]
@@ -163,13 +167,13 @@ class WorkerSlots:
         return index
 
     def _handover(self, index: int, whole_batch: bool = False) -> tuple:
-        """Mark slot ``index`` HANDED; its reference (with its storage the first time) for pickling.
+        """Count a trip of slot ``index``; its reference (with its storage the first time) for pickling.
 
         ``whole_batch`` appends the slot's layout, which travels once per slot generation.
         """
         with self._lock:
             slot = self._slots[index]
-            self._flags[index] = _HANDED
+            self._flags[_HANDED, index] += 1  # this process is the only writer of the row
             storage = None if slot.sent else _SendStorage(slot.anchor.untyped_storage())
             flags = None if self._flags_sent else _SendStorage(self._flags_anchor.untyped_storage())
             slot.sent = self._flags_sent = True
@@ -269,7 +273,8 @@ def worker_batch(layout: BatchLayout) -> TensorDict:
 class _ReceivedSlot:
     anchor: torch.Tensor
     generation: int
-    received: bool = False
+    trips: int = 0
+    """Trips of this slot received and not yet counted as returned to the worker."""
     leaves: list[torch.Tensor] | None = None
     """Views of the slot's batch layout, carved once (aliases of them are handed out)."""
     leaf_uses: int = 0
@@ -298,9 +303,9 @@ class _ReceivedPool:
 
     def release_unused(self, idle: tuple[int, int]) -> None:
         for index, slot in self.slots.items():
-            if slot.received and _counts(slot.anchor) == slot.idle(idle):
-                slot.received = False
-                self.flags[index] = _FREE
+            if slot.trips and _counts(slot.anchor) == slot.idle(idle):
+                self.flags[_RETURNED, index] += slot.trips  # this process is the only writer of the row
+                slot.trips = 0
 
 
 _RECEIVED: dict[tuple[int, str], _ReceivedPool] = {}
@@ -324,8 +329,6 @@ def _prune_exited_workers() -> None:
             del _RECEIVED[key]
         except PermissionError:
             pass
-    while len(_RECEIVED) >= _MAX_RECEIVED_POOLS:
-        del _RECEIVED[next(iter(_RECEIVED))]
 
 
 def _arrive(
@@ -349,7 +352,7 @@ def _arrive(
             )
         _prune_exited_workers()
         flags_anchor = _anchor(flags)
-        pool = _ReceivedPool(key[0], flags_anchor.view(torch.int64).numpy(), flags_anchor)
+        pool = _ReceivedPool(key[0], flags_anchor.view(torch.int64).view(2, -1).numpy(), flags_anchor)
         _RECEIVED[key] = pool
     if storage is not None:
         pool.slots[index] = _ReceivedSlot(_anchor(storage), generation)
@@ -364,7 +367,7 @@ def _arrive(
     idle = _idle_counts()
     for received in _RECEIVED.values():
         received.release_unused(idle)
-    slot.received = True
+    slot.trips += 1
     return slot
 
 
