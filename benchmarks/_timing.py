@@ -7,6 +7,7 @@ printed by one run compare like with like.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -128,8 +129,8 @@ def latency_ms(fn: Callable[[], object], seconds: float, min_calls: int = 50) ->
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100), nearest-rank."""
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = math.ceil(q / 100 * len(ordered))  # the smallest value with at least q% of values at or below it
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 def ratio(numerator: float, denominator: float) -> float:

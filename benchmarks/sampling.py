@@ -189,41 +189,44 @@ def _loader_rounds(
         _parallel_processes_round(engine, workload, args, rates)
 
 
-def _sample_in_process(engine, workload: Workload, seed: int, start, seconds: float, results) -> None:
+def _sample_in_process(engine, workload: Workload, seed: int, ready, seconds: float, results) -> None:
     """One sampler of ``_parallel_processes_round``: ``sample_batch`` in a loop, its rate to ``results``."""
     _set_single_thread()
     b, c = workload.batch_size, workload.chunk_size
     generator = torch.Generator().manual_seed(seed)
-    out = engine.sample_batch(b, c, generator=generator)
-    start.wait(timeout=60.0)
-    rate, _ = call_rate(lambda: engine.sample_batch(b, c, generator=generator, out=out), seconds)
+    for _ in range(2):  # warm-up, as every in-process candidate gets
+        engine.sample_batch(b, c, generator=generator)
+    ready.wait(timeout=60.0)  # every sampler starts timing at the same moment
+    rate, _ = call_rate(lambda: engine.sample_batch(b, c, generator=generator), seconds)
     results.put(rate)
 
 
 def _parallel_processes_round(engine, workload: Workload, args: Args, rates: Rates) -> None:
-    """One round of ``loader_workers`` plain processes sampling side by side, no ``DataLoader``.
+    """One process, then ``loader_workers`` plain processes sampling side by side, no ``DataLoader``.
 
     What the machine itself allows: no queues, no hand-off, no trainer process competing for the cores.
+    Both counts run in the same round, so their ratio compares like with like.
     """
     context = mp.get_context("fork")
     seconds = args.round_seconds(workload)
-    start, results = context.Event(), context.Queue()
-    processes = [
-        context.Process(target=_sample_in_process, args=(engine, workload, i, start, seconds, results))
-        for i in range(args.loader_workers)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        start.set()
-        total = sum(results.get(timeout=60.0 + seconds) for _ in processes)
-    finally:
+    for count in sorted({1, args.loader_workers}):
+        ready, results = context.Barrier(count + 1), context.Queue()
+        processes = [
+            context.Process(target=_sample_in_process, args=(engine, workload, i, ready, seconds, results))
+            for i in range(count)
+        ]
         for process in processes:
-            process.join(timeout=30.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    rates.add(PROCESSES.format(workers=args.loader_workers), total)
+            process.start()
+        try:
+            ready.wait(timeout=60.0)
+            total = sum(results.get(timeout=60.0 + seconds) for _ in processes)
+        finally:
+            for process in processes:
+                process.join(timeout=30.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        rates.add(_processes_name(count), total)
 
 
 def _loaders(engine, workload: Workload, workers: int) -> dict[str, DataLoader]:
@@ -253,7 +256,15 @@ STOCK = "stock multiprocessing.Queue"
 CEILING = "ceiling: batches sampled, not sent"
 ROTATING_ARENAS = 2
 ROTATING = f"same, sampled into {ROTATING_ARENAS} shared arenas in turn"
-PROCESSES = "{workers} processes sampling side by side, no DataLoader"
+
+
+def _processes_name(count: int) -> str:
+    """Row of ``count`` plain processes calling ``sample_batch`` in a loop (no ``DataLoader``)."""
+    return (
+        "1 process sampling alone, no DataLoader"
+        if count == 1
+        else (f"{count} processes sampling side by side, no DataLoader")
+    )
 
 
 def _loader_name(item_mode: bool, workers: int, variant: str = "") -> str:
@@ -334,9 +345,9 @@ def _print_throughput(
     targets.row("  OnlineDataset batch mode / that ceiling", ratio(loader2, ceiling), "report", "-")
     rotating = rates.median(_loader_name(False, workers, ROTATING))
     targets.row(f"  {workers} workers, {ROTATING} / 0 workers", ratio(rotating, loader0), "report", "-")
-    processes = rates.median(PROCESSES.format(workers=workers))
-    label = f"  {PROCESSES.format(workers=workers)}, / 1 (sample_batch)"
-    targets.row(label, ratio(processes, engine), "report", "-")
+    processes = rates.median(_processes_name(workers))
+    label = f"  {_processes_name(workers)}, / 1 process alone (same rounds)"
+    targets.row(label, ratio(processes, rates.median(_processes_name(1))), "report", "-")
     items0, items2 = rates.median(_loader_name(True, 0)), rates.median(_loader_name(True, workers))
     _loader_target(targets, f"OnlineDataset item mode, {workers} / 0 workers", ratio(items2, items0), images)
 

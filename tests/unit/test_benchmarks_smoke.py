@@ -80,6 +80,8 @@ def test_sampling_quick_prints_every_table(quick_runs):
         "| 2 workers, same, sampled into 2 shared arenas in turn |",
         "| OnlineDataset item mode, 2 / 0 workers |",
         "| 2 processes sampling side by side, no DataLoader |",
+        "| 1 process sampling alone, no DataLoader |",
+        "|   2 processes sampling side by side, no DataLoader, / 1 process alone (same rounds) |",
         "| sample_batch / raw gather (same keys) |",
         "| cold cache: sample_batch growth, 16 -> 48 |",
         "| p99 under publication / idle p99 |",
@@ -195,3 +197,16 @@ def test_empty_batch_is_one_arena_with_the_template_layout(harness):
     storages = {batch.get(k).untyped_storage().data_ptr() for k in batch.keys(True, True)}
     assert len(storages) == 1 and batch["obs"].is_shared()
     assert batch["obs"].shape == (3, 5, 2) and batch["valid"].dtype == torch.bool
+
+
+def test_latency_percentiles_are_nearest_rank():
+    spec = importlib.util.spec_from_file_location("_bench_timing", BENCHMARKS / "_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = timing  # its dataclasses look their module up
+    spec.loader.exec_module(timing)
+    hundred = [float(v) for v in range(100, 0, -1)]  # unsorted on purpose
+    assert timing.percentile(hundred, 99) == 99.0  # not the maximum
+    assert timing.percentile(hundred, 50) == 50.0
+    assert timing.percentile(hundred, 100) == 100.0
+    assert timing.percentile([float(v) for v in range(1, 11)], 50) == 5.0
+    assert timing.percentile([7.0], 99) == 7.0
