@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _feeder_threads() -> list[str]:
-    return [thread.name for thread in threading.enumerate() if "Feeder" in thread.name]
+    """multiprocessing.Queue's feeder threads and DirectQueue's fallback ones, in this process."""
+    return [thread.name for thread in threading.enumerate() if "feeder" in thread.name.lower()]
 
 
 def _refilling_engine(spec: ScriptedSpec | None = None) -> OnlineDataEngine:
@@ -180,6 +181,65 @@ def test_direct_queue_timeouts_and_close():
         direct.put(1)
     with pytest.raises(ValueError, match="get\\(\\) on a closed DirectQueue"):
         direct.get()
+
+
+def _hold_write_lock(direct: DirectQueue, holding, release) -> None:
+    with direct._write_lock:  # as a writer stuck on a full pipe that nobody reads any more
+        holding.set()
+        release.wait(30)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_put_never_waits_for_another_writer(method):
+    """DataLoader puts a wake-up into the result queue at shutdown: a stuck worker must not hang it."""
+    context = loader_context(method)
+    direct, holding, release = context.Queue(), context.Event(), context.Event()
+    holder = context.Process(target=_hold_write_lock, args=(direct, holding, release))
+    holder.start()
+    try:
+        assert holding.wait(30)
+        direct.put((None, None))  # returns at once: the message waits in this process's feeder thread
+        assert _feeder_threads() == ["DirectQueue-feeder"]
+        release.set()
+        assert direct.get(timeout=30) == (None, None)
+    finally:
+        release.set()
+        holder.join(30)
+        direct.close()
+
+
+def test_large_and_small_messages_keep_their_order():
+    direct = loader_context("fork").Queue()
+    big = bytes(256 * 1024)  # four times a pipe: it can only be written while someone reads
+    messages = ["small", big, "after the big one", big, 7]
+    for message in messages:
+        direct.put(message)  # never blocks, although nobody reads yet
+    received = [direct.get(timeout=30) for _ in messages]
+    assert received == messages
+    direct.close()
+
+
+class _BigResult:
+    """A transform whose result travels by value (1 MiB of NumPy), larger than the result pipe."""
+
+    def __call__(self, batch):
+        return batch["obs"].numpy().repeat(4096, axis=0)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_with_large_results_exit_on_their_own_when_the_loop_stops_early(method):
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=3, transform=_BigResult())
+        loader = dataset.loader(num_workers=2, multiprocessing_context=method, timeout=60)
+        iterator = iter(loader)
+        workers = list(iterator._workers)
+        try:
+            for _ in range(2):
+                assert next(iterator).nbytes >= 1 << 20
+        finally:
+            iterator._shutdown_workers()  # what breaking out of the loop does
+        # a worker blocked writing its result would only have ended by DataLoader's terminate()
+        assert [worker.exitcode for worker in workers] == [0, 0]
 
 
 def test_loader_context_does_not_pin_the_default_start_method():

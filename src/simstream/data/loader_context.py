@@ -7,16 +7,21 @@ therefore wakes a thread that then competes with its process's main thread for t
 and two workers share two cores, those wake-ups cost about a tenth of the CPU a low-dim batch takes
 (BENCHMARKS.md).
 
-The queues of :func:`loader_context` pickle and write in the calling thread instead: the same pipe and the
-same two locks as ``multiprocessing.Queue``, no thread and no buffer. A put blocks only while the pipe is
-full, which the ``DataLoader`` protocol bounds: the trainer sends at most ``prefetch_factor`` indices per
-worker before it reads results back, and at shutdown it joins its workers with a timeout and terminates
-those still alive.
+The queues of :func:`loader_context` pickle and write in the calling thread instead, over the same pipe
+and the same two locks as ``multiprocessing.Queue``, whenever that cannot block: the message is small
+(the ``DataLoader`` protocol keeps few of them in flight, so they never fill the pipe) and the write lock
+is free. Anything else (a large result sent by value, a lock held by a writer stuck on a full pipe) goes,
+in order, through a feeder thread started on first need, as in ``multiprocessing.Queue``. So a put never
+blocks its caller: a worker with a large result still sees the trainer's shutdown, and the trainer's own
+wake-up message at shutdown cannot wait behind a worker that nobody reads any more.
 """
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
+import os
+import threading
 import time
 from multiprocessing import connection
 from multiprocessing.context import BaseContext, assert_spawning
@@ -24,6 +29,12 @@ from multiprocessing.reduction import ForkingPickler
 from queue import Empty
 
 __all__ = ["DirectQueue", "loader_context"]
+
+_DIRECT_MAX_BYTES = 4096
+"""Largest message written in the caller's thread. With a few of them in flight per worker (``DataLoader``
+bounds that by ``prefetch_factor``) they cannot fill a 64 KiB pipe; a batch reference is ~0.3 KiB."""
+_FEEDER_SLICE_S = 0.1
+"""Longest wait of the feeder thread before it looks whether its queue was closed."""
 
 
 class DirectQueue:
@@ -38,6 +49,7 @@ class DirectQueue:
         self._read_lock = context.Lock()
         self._write_lock = context.Lock()
         self._closed = False
+        self._reset_feeder()
 
     def __getstate__(self):
         assert_spawning(self)
@@ -46,14 +58,59 @@ class DirectQueue:
     def __setstate__(self, state) -> None:
         self._reader, self._writer, self._read_lock, self._write_lock = state
         self._closed = False
+        self._reset_feeder()
+
+    def _reset_feeder(self) -> None:
+        """This process's backlog and feeder thread (none yet); a forked child starts without either."""
+        self._pid = os.getpid()
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._backlog_changed = threading.Condition(threading.Lock())
+        self._feeder: threading.Thread | None = None
 
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
-        """Pickle ``obj`` and write it to the pipe (blocks while the pipe is full)."""
+        """Pickle ``obj`` and send it; never blocks (see the module docstring). Messages keep their order."""
         if self._closed:
             raise ValueError("put() on a closed DirectQueue")
+        if self._pid != os.getpid():
+            self._reset_feeder()
         payload = ForkingPickler.dumps(obj)
-        with self._write_lock:
+        with self._backlog_changed:
+            direct = (
+                not self._backlog and len(payload) <= _DIRECT_MAX_BYTES and self._write_lock.acquire(False)
+            )
+            if not direct:
+                self._backlog.append(payload)
+                if self._feeder is None:
+                    self._feeder = threading.Thread(target=self._feed, name="DirectQueue-feeder", daemon=True)
+                    self._feeder.start()
+                self._backlog_changed.notify()
+                return
+        try:
             self._writer.send_bytes(payload)
+        finally:
+            self._write_lock.release()
+
+    def _feed(self) -> None:
+        """Write the backlog in order, each message under the write lock, until this end is closed."""
+        try:
+            while True:
+                with self._backlog_changed:
+                    while not self._backlog:
+                        if self._closed:
+                            return
+                        self._backlog_changed.wait(_FEEDER_SLICE_S)
+                    payload = self._backlog[0]
+                while not self._write_lock.acquire(True, _FEEDER_SLICE_S):
+                    if self._closed:
+                        return
+                try:
+                    self._writer.send_bytes(payload)  # may wait while the pipe is full, as Queue's feeder
+                finally:
+                    self._write_lock.release()
+                with self._backlog_changed:
+                    self._backlog.popleft()  # only now: puts meanwhile queue up behind this message
+        except OSError:  # the pipe was closed (this end, or every reader): nobody will read the rest
+            return
 
     def get(self, block: bool = True, timeout: float | None = None):
         """The next object; raises ``queue.Empty`` if none arrives within ``timeout`` (or at once)."""
@@ -82,10 +139,11 @@ class DirectQueue:
             self._writer.close()
 
     def cancel_join_thread(self) -> None:
-        """No-op: there is no feeder thread to join."""
+        """No-op: the feeder thread (if any) is a daemon and stops once the queue is closed."""
 
     def join_thread(self) -> None:
-        """No-op: there is no feeder thread to join."""
+        """No-op, as after ``cancel_join_thread``: a backlog left at close is dropped (``DataLoader``
+        closes its queues only when it shuts down)."""
 
 
 _CONTEXT_TYPES: dict[type, type] = {}
