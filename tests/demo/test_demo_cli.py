@@ -28,6 +28,11 @@ def quick_run(tmp_path_factory) -> Path:
     return runs / "quick"
 
 
+def _one_line(text: str) -> str:
+    """A CLI error on one line: tyro draws it in a box and wraps long lines."""
+    return " ".join(re.sub(r"[│|]", " ", text).split())
+
+
 def test_demo_quick_writes_report_plots_checkpoint_and_summary(quick_run):
     for name in ("report.md", "summary.json", "training_log.json", "checkpoint.pt", *PLOTS):
         path = quick_run / name
@@ -72,9 +77,30 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_demo_rejects_a_bad_option_with_exit_code_2(capsys):
-    assert simstream(["demo", "--steps", "0"]) == 2
-    assert "DemoConfig.steps must be an int >= 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--steps", "0"], "DemoConfig.steps must be an int >= 1, got 0"),
+        (["--seed", str(2**63)], f"DemoConfig.seed must be an int in [0, {2**63 - 1}], got {2**63}"),
+        (["--max-episode-steps", "50"], "DemoConfig.max_episode_steps must be an int >= 100, got 50"),
+    ],
+)
+def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):
+    assert simstream(["demo", "--quick", "--runs-dir", str(tmp_path / "runs"), *options]) == 2
+    assert message in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--execute-steps", "0"], "EvalArgs.execute_steps must be an int >= 1, got 0"),
+        (["--image-size", "20000"], "EvalArgs.image_size must be an int in [16, 2048], got 20000"),
+    ],
+)
+def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, capsys):
+    assert simstream(["eval", str(tmp_path / "checkpoint.pt"), *options]) == 2
+    assert message in _one_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(

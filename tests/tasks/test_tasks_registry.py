@@ -82,6 +82,9 @@ def test_spec_is_picklable_and_declares_fields(name):
         ({"image_size": 4}, r"image_size must be None, an int or \(H, W\) in \[8, 2048\]"),
         ({"image_size": (32,)}, r"image_size must be None"),
         ({"image_size": (32, 4096)}, r"image_size must be None"),
+        ({"image_size": 64.0}, r"image_size must be None, an int or \(H, W\) in \[8, 2048\], got 64\.0"),
+        ({"image_size": "64"}, r"image_size must be None"),
+        ({"image_size": True}, r"image_size must be None"),
     ],
 )
 def test_make_source_rejects_bad_arguments(kwargs, message):
@@ -98,3 +101,11 @@ def test_instructions_cover_every_colour():
     assert "grasp the green cube" in subtasks and "place the blue cube in the bin" in subtasks
     seen = {tasks.episode_instruction("stack", seed) for seed in range(40)}
     assert seen == set(stack)
+
+
+def test_image_size_accepts_numpy_integers():
+    import numpy as np
+
+    spec = tasks.make_source("pick_place", image_size=np.int64(32))
+    assert spec.image_size == (32, 32) and type(spec.image_size[0]) is int
+    assert tasks.make_source("pick_place", image_size=(np.int32(16), 24)).image_size == (16, 24)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._validation import require_int
+from ..config import INT64_MAX
 from .evaluate import RolloutConfig
 from .policy import PolicyConfig
 
@@ -23,7 +24,9 @@ class DemoConfig:
     """
 
     quick: bool = False
-    """Smoke-test preset (CI): few steps, small buffer, few evaluation episodes. Other flags still apply."""
+    """Marks a smoke-test run (CI). ``--quick`` (in Python: ``DemoConfig().with_quick()``) applies the preset,
+    few steps, small buffer, few evaluation episodes, and other flags still apply; this field alone changes
+    nothing else."""
     name: str | None = None
     """Run name: results go to ``<runs-dir>/<name>/``. Default: ``demo-<date>-<time>``."""
     runs_dir: Path = Path("runs")
@@ -80,17 +83,20 @@ class DemoConfig:
     eval_episodes: int = 50
     """Seeded episodes of the final evaluation."""
     max_episode_steps: int = 200
-    """Truncation of evaluation episodes (and the producers' row capacity)."""
+    """Truncation of evaluation episodes (and the producers' row capacity), at least 100 (20 Hz)."""
 
     def __post_init__(self) -> None:
         positive = (
             "buffer_size", "num_workers", "steps", "batch_size", "num_threads", "eval_every",
-            "eval_episodes", "max_episode_steps",
+            "eval_episodes",
         )  # fmt: skip
         for name in positive:
             require_int("DemoConfig", name, getattr(self, name), 1)
-        for name in ("refill_threshold", "eval_episodes_during", "seed"):
+        # the scripted experts take up to ~80 steps (150 seeds per task); shorter rows cannot hold a success
+        require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
+        for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
+        require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
         for name in ("lr", "time_limit_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

@@ -61,7 +61,8 @@ def start_with_progress(engine: Any, total: int, timeout_s: float) -> float:
             bar.refresh()
             if time.monotonic() - began > timeout_s:
                 raise TimeoutError(f"the first generation was not ready after {timeout_s:.0f} s")
-        bar.n = total
+        if not errors:
+            bar.n = total
     if errors:
         raise errors[0]
     return time.monotonic() - began
@@ -113,14 +114,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     began = time.monotonic()
     name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.runs_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)
     source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
     engine_cfg = OnlineDataEngineCfg(
         source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
         refill_threshold=cfg.refill_threshold, seed=cfg.seed,
     )  # fmt: skip
+    engine_cfg.validate()  # a bad setting fails here, before anything is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
     policy, embedding = ChunkPolicy(cfg.policy_config), HashedTextEmbedding(cfg.text_dim)
     print(f"simstream demo: {cfg.task}, {cfg.num_workers} producers, buffer {cfg.buffer_size} episodes -> "
           f"{run_dir}", flush=True)  # fmt: skip

@@ -44,8 +44,11 @@ class EvalArgs:
     """Also write the per-episode results to this JSON file."""
 
     def __post_init__(self) -> None:
-        for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1), ("image_size", 16)):
+        for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1)):
             require_int("EvalArgs", name, getattr(self, name), low)
+        require_int("EvalArgs", "image_size", self.image_size, 16, 2048)  # the renderer's range
+        if self.execute_steps is not None:
+            require_int("EvalArgs", "execute_steps", self.execute_steps, 1)
         require_int("EvalArgs", "seed_offset", self.seed_offset, 0)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
@@ -84,7 +87,7 @@ def run_eval(args: EvalArgs) -> dict:
     if args.execute_steps is not None or args.ensemble_decay is not None:
         rollout = dataclasses.replace(
             rollout,
-            execute_steps=args.execute_steps or rollout.execute_steps,
+            execute_steps=rollout.execute_steps if args.execute_steps is None else args.execute_steps,
             # an explicit --execute-steps means chunk execution unless --ensemble-decay is given too
             ensemble_decay=args.ensemble_decay,
         )

@@ -8,6 +8,7 @@ never simulate (the owner, ``DataLoader`` workers).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, Protocol
@@ -81,10 +82,21 @@ def normalize_image_size(image_size: int | tuple[int, int] | None) -> tuple[int,
     """
     if image_size is None:
         return None
-    size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    if len(size) != 2 or any(type(n) is not int or not 8 <= n <= 2048 for n in size):
-        raise ValueError(f"image_size must be None, an int or (H, W) in [8, 2048], got {image_size!r}")
-    return (size[0], size[1])
+    error = ValueError(f"image_size must be None, an int or (H, W) in [8, 2048], got {image_size!r}")
+    if isinstance(image_size, numbers.Integral):
+        size: tuple = (image_size, image_size)
+    elif isinstance(image_size, (tuple, list)):
+        size = tuple(image_size)
+    else:  # a float, a string, ...
+        raise error
+    if len(size) != 2 or not all(_integer(n) and 8 <= n <= 2048 for n in size):
+        raise error
+    return (int(size[0]), int(size[1]))
+
+
+def _integer(value: object) -> bool:
+    """An integer of any integral type (NumPy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def quarter_turn(angle: float) -> float:

@@ -126,7 +126,12 @@ class _Producer:
                 return False
             logger.warning("window %d attempt %d had a failed episode; retrying", number + 1, attempt + 1)
         else:
-            raise RuntimeError(f"Failed to generate rollout {number + 1} after {attempts} attempts.")
+            raise RuntimeError(
+                f"Failed to generate rollout {number + 1} after {attempts} attempts. Every attempt reported "
+                "an episode with success=False (a window is published only when all succeed): check the "
+                "source, e.g. whether max_episode_steps leaves its expert time to finish, or raise "
+                "max_generation_attempts."
+            )
         self.writer.write(start, episodes, attempt)
         self._publish(start, end, generation, sum(e.length for e in episodes))
         return True
