@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import numpy as np
@@ -359,3 +360,15 @@ def test_a_producer_that_cannot_be_started_fails_start_cleanly(tmp_path):
     result = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT, timeout=120)
     lines = sorted(result.stdout.splitlines())
     assert lines == ["child FAILED True []", "owner STOPPED"], result.stdout + result.stderr[-3000:]
+
+
+def test_ctrl_c_reaching_the_producers_is_left_to_the_owner():
+    """A terminal's Ctrl-C goes to the whole process group; producers ignore it, the owner decides."""
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        pid = engine._supervisor.processes["producer-0"].pid
+        os.kill(pid, signal.SIGINT)
+        generation = engine.request_refill()
+        engine.wait_for_generation(generation, timeout=30)  # the producer kept working
+        assert engine.state is OnlineDataEngineState.READY
+        assert engine.sample_batch(4, 2).batch_size == torch.Size([4, 2])
+    assert engine.state is OnlineDataEngineState.STOPPED

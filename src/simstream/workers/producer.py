@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import signal
 import time
 
 import numpy as np
@@ -41,6 +42,9 @@ def run_producer(
     shared: EngineShared, worker_index: int, row_start: int, row_end: int, spec_bytes: bytes, seed: int
 ) -> None:
     """Worker entry (started through :func:`simstream.workers.supervisor.worker_entry`)."""
+    # Ctrl-C in a terminal reaches the whole process group: the owner decides (its stop() ends this
+    # worker cleanly), instead of every producer failing the engine with a KeyboardInterrupt of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     spec = pickle.loads(spec_bytes)
     source = spec.build(worker_index, derive_worker_seed(seed, worker_index))
