@@ -7,9 +7,11 @@ import os
 import queue
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -240,6 +242,39 @@ def test_workers_with_large_results_exit_on_their_own_when_the_loop_stops_early(
             iterator._shutdown_workers()  # what breaking out of the loop does
         # a worker blocked writing its result would only have ended by DataLoader's terminate()
         assert [worker.exitcode for worker in workers] == [0, 0]
+
+
+def _write_half_a_message_and_die(direct: DirectQueue) -> None:
+    whole = ForkingPickler.dumps(bytes(100_000))
+    os.write(direct._writer.fileno(), struct.pack("!i", len(whole)) + whole[:1000])
+    os.kill(os.getpid(), signal.SIGKILL)  # killed halfway through writing (the OOM killer, say)
+
+
+def test_a_get_with_a_timeout_is_bounded_inside_a_torn_message():
+    """A writer killed mid-message never sends the rest: the reader's get still returns at its timeout."""
+    context = loader_context("fork")
+    direct = context.Queue()
+    writer = context.Process(target=_write_half_a_message_and_die, args=(direct,))
+    writer.start()
+    writer.join(30)
+    assert writer.exitcode == -signal.SIGKILL
+    with pytest.raises(queue.Empty):
+        direct.get(timeout=0.2)
+    with pytest.raises(queue.Empty):  # and again: the part read so far is kept, nothing else arrives
+        direct.get(timeout=0.2)
+    direct.close()
+
+
+def test_huge_and_many_messages_are_framed_like_multiprocessing_connection():
+    direct = loader_context("fork").Queue()
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(direct.get(timeout=30) for _ in range(3)))
+    reader.start()
+    for message in (b"a" * 5, bytes(3 * 1024 * 1024), {"n": 3}):
+        direct.put(message)
+    reader.join(60)
+    assert received == [b"a" * 5, bytes(3 * 1024 * 1024), {"n": 3}]
+    direct.close()
 
 
 def test_loader_context_does_not_pin_the_default_start_method():

@@ -19,8 +19,11 @@ wake-up message at shutdown cannot wait behind a worker that nobody reads any mo
 from __future__ import annotations
 
 import collections
+import math
 import multiprocessing
 import os
+import select
+import struct
 import threading
 import time
 from multiprocessing import connection
@@ -33,6 +36,8 @@ __all__ = ["DirectQueue", "loader_context"]
 _DIRECT_MAX_BYTES = 4096
 """Largest message written in the caller's thread. With a few of them in flight per worker (``DataLoader``
 bounds that by ``prefetch_factor``) they cannot fill a 64 KiB pipe; a batch reference is ~0.3 KiB."""
+_INT32, _UINT64 = struct.Struct("!i"), struct.Struct("!Q")
+"""``multiprocessing.connection``'s message header: a signed 32-bit size, or -1 and a 64-bit size."""
 _FEEDER_SLICE_S = 0.1
 """Longest wait of the feeder thread before it looks whether its queue was closed."""
 
@@ -66,6 +71,9 @@ class DirectQueue:
         self._backlog: collections.deque[bytes] = collections.deque()
         self._backlog_changed = threading.Condition(threading.Lock())
         self._feeder: threading.Thread | None = None
+        self._partial = bytearray()
+        """Bytes of a message a timed-out ``get`` had begun to read."""
+        self._poller: select.poll | None = None
 
     def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
         """Pickle ``obj`` and send it; never blocks (see the module docstring). Messages keep their order."""
@@ -90,6 +98,39 @@ class DirectQueue:
         finally:
             self._write_lock.release()
 
+    def _receive(self, deadline: float | None) -> bytes:
+        """One message (``Connection``'s framing), read in bounded waits; ``Empty`` at ``deadline``.
+
+        Reads exactly the message's bytes, so a reader in another process finds the next one intact.
+        """
+        buffer = self._partial
+        self._read_into(buffer, 4, deadline)
+        (size,) = _INT32.unpack_from(buffer)
+        start = 4
+        if size == -1:  # a message of 2 GiB or more: the real size follows
+            self._read_into(buffer, 12, deadline)
+            (size,) = _UINT64.unpack_from(buffer, 4)
+            start = 12
+        self._read_into(buffer, start + size, deadline)
+        payload = bytes(memoryview(buffer)[start:])
+        buffer.clear()
+        return payload
+
+    def _read_into(self, buffer: bytearray, length: int, deadline: float | None) -> None:
+        """Read from the pipe until ``buffer`` holds ``length`` bytes; ``Empty`` at ``deadline``."""
+        fd = self._reader.fileno()
+        if self._poller is None:  # one poll object per process: Connection.poll builds a selector per call
+            self._poller = select.poll()
+            self._poller.register(fd, select.POLLIN)
+        while len(buffer) < length:
+            wait = None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if not self._poller.poll(wait):
+                raise Empty
+            chunk = os.read(fd, length - len(buffer))
+            if not chunk:
+                raise EOFError("DirectQueue: every writer closed the pipe")
+            buffer += chunk
+
     def _feed(self) -> None:
         """Write the backlog in order, each message under the write lock, until this end is closed."""
         try:
@@ -113,20 +154,25 @@ class DirectQueue:
             return
 
     def get(self, block: bool = True, timeout: float | None = None):
-        """The next object; raises ``queue.Empty`` if none arrives within ``timeout`` (or at once)."""
+        """The next object; raises ``queue.Empty`` if none arrives within ``timeout`` (or at once).
+
+        With a timeout, the wait stays bounded even inside a message: a writer killed halfway through a
+        large one never sends the rest, and ``Empty`` lets ``DataLoader`` find the dead worker (what was
+        read is kept for this process's next ``get``).
+        """
         if self._closed:
             raise ValueError("get() on a closed DirectQueue")
+        if self._pid != os.getpid():
+            self._reset_feeder()
         if block and timeout is None:
             with self._read_lock:
-                payload = self._reader.recv_bytes()
+                payload = self._reader.recv_bytes() if not self._partial else self._receive(None)
         else:
             deadline = time.monotonic() + (timeout if block else 0.0)
             if not self._read_lock.acquire(block, timeout):
                 raise Empty
             try:
-                if not self._reader.poll(max(0.0, deadline - time.monotonic())):
-                    raise Empty
-                payload = self._reader.recv_bytes()
+                payload = self._receive(deadline)
             finally:
                 self._read_lock.release()
         return ForkingPickler.loads(payload)
