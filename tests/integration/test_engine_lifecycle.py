@@ -98,8 +98,8 @@ def test_sample_threshold_policy_requests_refills():
         engine.wait_for_generation(2, timeout=30)
 
 
-def test_stop_cancels_a_running_start():
-    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall")))
+def _start_in_a_thread(engine: OnlineDataEngine) -> tuple[threading.Thread, list[BaseException]]:
+    """``engine.start()`` in a thread; what it raises lands in the returned list."""
     errors: list[BaseException] = []
 
     def run_start() -> None:
@@ -110,6 +110,12 @@ def test_stop_cancels_a_running_start():
 
     thread = threading.Thread(target=run_start)
     thread.start()
+    return thread, errors
+
+
+def test_stop_cancels_a_running_start():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall")))
+    thread, errors = _start_in_a_thread(engine)
     with engine._lifecycle:  # start() notifies it once STARTING
         assert engine._lifecycle.wait_for(lambda: engine.state is OnlineDataEngineState.STARTING, 30.0)
     engine.stop()
@@ -132,16 +138,7 @@ def test_stop_that_cancels_a_start_raises_what_the_cleanup_found(close_fault, er
     engine = OnlineDataEngine(
         make_cfg(ScriptedSpec(fault="stall", close_fault=close_fault), shutdown_timeout=0.5)
     )
-    errors: list[BaseException] = []
-
-    def run_start() -> None:
-        try:
-            engine.start()
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run_start)
-    thread.start()
+    thread, errors = _start_in_a_thread(engine)
     with engine._lifecycle:
         assert engine._lifecycle.wait_for(lambda: engine.state is OnlineDataEngineState.STARTING, 30.0)
     with pytest.raises(error_type, match=message):

@@ -206,8 +206,13 @@ def _pointer(batch) -> int:
     return batch["obs"].untyped_storage().data_ptr()
 
 
+def _small_layout() -> BatchLayout:
+    """Batches of 4 items with one key, ``obs`` float32[3]."""
+    return BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+
+
 def test_release_protocol_frees_a_slot_only_after_the_trainer_drops_it():
-    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    layout = _small_layout()
     slots = WorkerSlots(max_slots=3)
     first = slots.acquire(layout)
     first_arena = _pointer(first)
@@ -238,7 +243,7 @@ def test_release_protocol_frees_a_slot_only_after_the_trainer_drops_it():
 
 
 def test_an_arrival_from_any_worker_frees_every_worker_s_dropped_slots():
-    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    layout = _small_layout()
     worker_a, worker_b = WorkerSlots(max_slots=2), WorkerSlots(max_slots=2)
     batch = worker_a.acquire(layout)
     arena_a = _pointer(batch)
@@ -255,7 +260,7 @@ def test_an_arrival_from_any_worker_frees_every_worker_s_dropped_slots():
 
 def test_a_slot_sent_twice_is_free_only_once_the_trainer_dropped_both_trips():
     """A transform may send a slot again (with the previous batch) while its first trip is still held."""
-    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    layout = _small_layout()
     slots = WorkerSlots(max_slots=3)
     batch = slots.acquire(layout)
     arena = _pointer(batch)
@@ -282,7 +287,7 @@ def test_a_slot_sent_twice_is_free_only_once_the_trainer_dropped_both_trips():
 
 
 def test_the_trainer_keeps_the_slot_tables_of_every_live_worker():
-    layout = BatchLayout.of(TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2]), (4,))
+    layout = _small_layout()
     workers = [WorkerSlots(max_slots=1) for _ in range(80)]  # e.g. several persistent loaders
     for slots in workers:
         batch = slots.acquire(layout)

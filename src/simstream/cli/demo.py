@@ -6,7 +6,7 @@ producers are stopped first), 1 any other failure (a producer's error, printed w
 
 from __future__ import annotations
 
-import sys
+from ._report import exit_code
 
 __all__ = ["main"]
 
@@ -15,25 +15,29 @@ def main(argv: list[str]) -> int:
     """Parse the flags of :class:`~simstream.bc.DemoConfig` and run the demo; returns the exit code."""
     import tyro
 
-    from simstream.bc import DemoConfig, run_demo
+    from simstream.bc import DemoConfig
 
-    try:
+    parsed: list[DemoConfig] = []
+
+    def parse() -> None:
         # --quick changes the defaults; flags given next to it still win.
         default = DemoConfig().with_quick() if "--quick" in argv else DemoConfig()
-        cfg = tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo")
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except ValueError as error:
-        print(f"simstream demo: {error}", file=sys.stderr)
-        return 2
-    try:
-        summary = run_demo(cfg)
-    except KeyboardInterrupt:
-        print("\nsimstream demo: interrupted; the producers are stopped", file=sys.stderr)
-        return 130
-    except Exception as error:  # the CLI reports; the library raises
-        print(f"\nsimstream demo: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+        parsed.append(tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo"))
+
+    code = exit_code("simstream demo", parse)
+    if code or not parsed:  # a bad option, or --help
+        return code
+    # from here on a ValueError is a failure of the run, not a bad option
+    interrupted = "interrupted; the producers are stopped"
+    return exit_code(
+        "simstream demo", lambda: _run(parsed[0]), value_error_is_bad_option=False, interrupted=interrupted
+    )
+
+
+def _run(cfg) -> None:
+    from simstream.bc import run_demo
+
+    summary = run_demo(cfg)
     final = summary["final_eval"]
     print(
         f"\nclosed-loop success on {summary['task']}: {final['success_rate']:.0%} "
@@ -42,4 +46,3 @@ def main(argv: list[str]) -> int:
         f"{summary['total_time_s']:.0f} s in all\nreport: {summary['report']}",
         flush=True,
     )
-    return 0

@@ -7,7 +7,6 @@ reports the expert's success rate and episodes per second.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import tyro
 
 from .._validation import require_int
+from ._report import exit_code
 
 __all__ = ["InspectArgs", "main", "run_inspect"]
 
@@ -148,17 +148,8 @@ def run_inspect(args: InspectArgs) -> dict:
 
 def main(argv: list[str]) -> int:
     """``simstream inspect``; returns the exit code (0 done, 2 bad option, 1 other failure)."""
-    try:
+
+    def job() -> None:
         run_inspect(tyro.cli(InspectArgs, args=argv, prog="simstream inspect"))
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except ValueError as error:
-        print(f"simstream inspect: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nsimstream inspect: interrupted", file=sys.stderr)
-        return 130
-    except Exception as error:
-        print(f"simstream inspect: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    return 0
+
+    return exit_code("simstream inspect", job)

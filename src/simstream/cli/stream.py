@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
 from tqdm import tqdm
+
+from ._report import exit_code
 
 __all__ = ["StreamArgs", "main", "run_stream"]
 
@@ -79,17 +80,8 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     """``simstream stream``; returns the exit code (0 done, 2 bad option, 1 other failure, 130 Ctrl-C)."""
-    try:
+
+    def job() -> None:
         run_stream(tyro.cli(StreamArgs, args=argv, prog="simstream stream"))
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except ValueError as error:  # a setting out of range or an unknown task, named by the message
-        print(f"simstream stream: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nsimstream stream: interrupted; the producers are stopped", file=sys.stderr)
-        return 130
-    except Exception as error:  # the CLI reports; the library raises
-        print(f"\nsimstream stream: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    return 0
+
+    return exit_code("simstream stream", job, interrupted="interrupted; the producers are stopped")

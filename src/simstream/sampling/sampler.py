@@ -11,6 +11,7 @@ killed while holding it ends the wait with its error instead of a hang.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +29,21 @@ __all__ = ["WindowSampler"]
 _MAX_TORN_ROUNDS = 64
 FrameMap = Callable[[WindowSelection], "torch.Tensor | ChunkFrames"]
 """Selected windows -> their frames: ``[n, L]`` flat indices (padding frame for padded positions)."""
+
+
+class _Request(NamedTuple):
+    """One sampling call, as selection, copy and redraws need it."""
+
+    batch_size: int
+    chunk: int
+    """Window length the run tables are checked against (1 for context anchors)."""
+    mode: str
+    generator: torch.Generator | None
+    generations: np.ndarray | None
+    """Draw only from rows holding these generations (``None``: any row)."""
+    frames: FrameMap
+    unavailable: str
+    """Message of the ``DataUnavailableError`` when nothing can be drawn."""
 
 
 class WindowSampler:
@@ -60,9 +76,8 @@ class WindowSampler:
             "[OnlineDataEngine] No unlocked valid chunk satisfies "
             f"sampling_mode={mode!r} and chunk_size={chunk_size}."
         )
-        return self._sample(
-            batch_size, chunk_size, mode, generator, None, frames, unavailable, out, check_failed
-        )
+        request = _Request(batch_size, chunk_size, mode, generator, None, frames, unavailable)
+        return self._sample(request, out, check_failed)
 
     def sample_contexts(
         self,
@@ -87,7 +102,8 @@ class WindowSampler:
         unavailable = (
             f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
         )
-        batch = self._sample(batch_size, 1, mode, generator, wanted, frames, unavailable, None, check_failed)
+        request = _Request(batch_size, 1, mode, generator, wanted, frames, unavailable)
+        batch = self._sample(request, None, check_failed)
         batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
@@ -99,13 +115,12 @@ class WindowSampler:
         # a copy: producers write the live table, and isin() reads its input more than once
         return np.isin(self.index.generation.numpy().copy(), generations)
 
-    def _select(
-        self, count: int, chunk: int, mode: str, generator, generations: np.ndarray | None, unavailable: str
-    ) -> WindowSelection:
+    def _select(self, request: _Request, count: int) -> WindowSelection:
         tables = self.tables.views()
-        drawn = draw_rows(tables, count, chunk, mode, generator, self._rows_of(generations))
+        chunk, mode, generator = request.chunk, request.mode, request.generator
+        drawn = draw_rows(tables, count, chunk, mode, generator, self._rows_of(request.generations))
         if drawn is None:
-            raise DataUnavailableError(unavailable)
+            raise DataUnavailableError(request.unavailable)
         return draw_starts(tables, *drawn, chunk, mode, generator)
 
     def _torn(self, selection: WindowSelection, generations: np.ndarray | None = None) -> np.ndarray:
@@ -121,50 +136,27 @@ class WindowSampler:
         changed = self.tables.views().version[selection.rows] != selection.versions
         return np.flatnonzero(stale | changed)
 
-    def _sample(
-        self,
-        batch_size,
-        chunk,
-        mode,
-        generator,
-        generations: np.ndarray | None,
-        frames: FrameMap,
-        unavailable,
-        out,
-        check_failed,
-    ) -> TensorDict:
+    def _sample(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         if self.quota is not None:
-            return self._sample_with_quota(
-                batch_size, chunk, mode, generator, generations, frames, unavailable, out, check_failed
-            )
-        selection = self._select(batch_size, chunk, mode, generator, generations, unavailable)
-        batch = self.gatherer.gather(frames(selection), out)
+            return self._sample_with_quota(request, out, check_failed)
+        selection = self._select(request, request.batch_size)
+        batch = self.gatherer.gather(request.frames(selection), out)
         for _ in range(_MAX_TORN_ROUNDS):
-            torn = self._torn(selection, generations)
+            torn = self._torn(selection, request.generations)
             if torn.size == 0:
                 return batch
-            redo = self._select(torn.size, chunk, mode, generator, generations, unavailable)
+            redo = self._select(request, torn.size)
             scratch = self.gatherer.empty(torn.size, batch.batch_size[1])
-            redone = self.gatherer.gather(frames(redo), scratch)
+            redone = self.gatherer.gather(request.frames(redo), scratch)
             self.gatherer.replace_items(batch, torch.from_numpy(torn), redone)
             selection.replace(torn, redo)
         raise DataUnavailableError(
-            f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
+            f"{request.unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
         )
 
-    def _sample_with_quota(
-        self,
-        batch_size,
-        chunk,
-        mode,
-        generator,
-        generations: np.ndarray | None,
-        frames: FrameMap,
-        unavailable,
-        out,
-        check_failed,
-    ) -> TensorDict:
+    def _sample_with_quota(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         quota = self.quota
+        batch_size, chunk, mode, generator, generations, frames, unavailable = request
         with held(quota.lock, check_failed):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
