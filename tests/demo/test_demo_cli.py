@@ -149,12 +149,19 @@ _TRAINING_STEPS = re.compile(rb"training:[^\r\n]*?\| *(\d+)/100000")
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "simstream", "demo", "--quick", "--steps", "100000", "--time-limit-s", "600",
-         "--runs-dir", str(tmp_path), "--name", "interrupted"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    # A shell that runs a job in the background makes it ignore SIGINT, and an ignored SIGINT is
+    # inherited by every process the job starts. Install a handler while starting the demo, so that it
+    # gets Python's usual Ctrl-C, as from a terminal, however this suite was started.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "simstream", "demo", "--quick", "--steps", "100000", "--time-limit-s",
+             "600", "--runs-dir", str(tmp_path), "--name", "interrupted"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     lines: list[bytes] = []
     errors = bytearray()
     started, training = threading.Event(), threading.Event()
