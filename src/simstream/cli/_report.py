@@ -17,7 +17,7 @@ def exit_code(
     prog: str,
     job: Callable[[], int | None],
     *,
-    value_error_is_bad_option: bool = True,
+    bad_options: tuple[type[Exception], ...] = (ValueError,),
     interrupted: str = "interrupted",
 ) -> int:
     """Run ``job`` (it returns an exit code or ``None`` for 0) and report how it ended.
@@ -25,8 +25,8 @@ def exit_code(
     Args:
         prog: The command as the user typed it, e.g. ``"simstream stream"``; every message starts with it.
         job: Parses the flags and runs the command.
-        value_error_is_bad_option: Report a ``ValueError`` as a bad option (exit 2); ``False`` once the
-            options were parsed, when a ``ValueError`` is a failure like any other (exit 1).
+        bad_options: Errors reported as a bad option (exit 2): a ``ValueError`` by default; ``()`` once
+            the options were parsed, when such errors are failures like any other (exit 1).
         interrupted: What to say after Ctrl-C.
     """
     try:
@@ -37,7 +37,7 @@ def exit_code(
         print(f"\n{prog}: {interrupted}", file=sys.stderr)
         return 130
     except Exception as error:  # the command reports; the library raises
-        if value_error_is_bad_option and isinstance(error, ValueError):
+        if isinstance(error, bad_options):
             print(f"{prog}: {error}", file=sys.stderr)
             return 2
         print(f"\n{prog}: {type(error).__name__}: {error}", file=sys.stderr)

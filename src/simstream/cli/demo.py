@@ -29,9 +29,7 @@ def main(argv: list[str]) -> int:
         return code
     # from here on a ValueError is a failure of the run, not a bad option
     interrupted = "interrupted; the producers are stopped"
-    return exit_code(
-        "simstream demo", lambda: _run(parsed[0]), value_error_is_bad_option=False, interrupted=interrupted
-    )
+    return exit_code("simstream demo", lambda: _run(parsed[0]), bad_options=(), interrupted=interrupted)
 
 
 def _run(cfg) -> None:

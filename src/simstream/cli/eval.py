@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Annotated
 import tyro
 
 from .._validation import require_int
+from ._report import exit_code
 
 __all__ = ["EvalArgs", "main", "run_eval"]
 
@@ -122,26 +122,16 @@ def run_eval(args: EvalArgs) -> dict:
 
 def main(argv: list[str]) -> int:
     """``simstream eval``; returns the exit code (0 done, 2 bad option or checkpoint, 1 other failure)."""
-    try:
-        args = tyro.cli(EvalArgs, args=argv, prog="simstream eval")
-        summary = run_eval(args)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"simstream eval: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nsimstream eval: interrupted", file=sys.stderr)
-        return 130
-    except Exception as error:
-        print(f"simstream eval: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    mean_length = sum(summary["episode_length"]) / len(summary["episode_length"])
-    print(
-        f"{summary['task']}: success {summary['success_rate']:.0%} "
-        f"({summary['successes']}/{summary['episodes']} seeded episodes, mean length {mean_length:.0f} "
-        f"steps) in {summary['eval_time_s']:.0f} s"
-    )
-    if "video" in summary:
-        print(f"video: {summary['video']}")
-    return 0
+
+    def job() -> None:
+        summary = run_eval(tyro.cli(EvalArgs, args=argv, prog="simstream eval"))
+        mean_length = sum(summary["episode_length"]) / len(summary["episode_length"])
+        print(
+            f"{summary['task']}: success {summary['success_rate']:.0%} "
+            f"({summary['successes']}/{summary['episodes']} seeded episodes, mean length {mean_length:.0f} "
+            f"steps) in {summary['eval_time_s']:.0f} s"
+        )
+        if "video" in summary:
+            print(f"video: {summary['video']}")
+
+    return exit_code("simstream eval", job, bad_options=(ValueError, FileNotFoundError))

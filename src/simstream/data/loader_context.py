@@ -54,7 +54,7 @@ class DirectQueue:
         self._read_lock = context.Lock()
         self._write_lock = context.Lock()
         self._closed = False
-        self._reset_feeder()
+        self._reset_process_state()
 
     def __getstate__(self):
         assert_spawning(self)
@@ -63,10 +63,11 @@ class DirectQueue:
     def __setstate__(self, state) -> None:
         self._reader, self._writer, self._read_lock, self._write_lock = state
         self._closed = False
-        self._reset_feeder()
+        self._reset_process_state()
 
-    def _reset_feeder(self) -> None:
-        """This process's backlog and feeder thread (none yet); a forked child starts without either."""
+    def _reset_process_state(self) -> None:
+        """This process's backlog, feeder thread, poll object and partial message (none yet): a forked
+        child starts without any."""
         self._pid = os.getpid()
         self._backlog: collections.deque[bytes] = collections.deque()
         self._backlog_changed = threading.Condition(threading.Lock())
@@ -80,7 +81,7 @@ class DirectQueue:
         if self._closed:
             raise ValueError("put() on a closed DirectQueue")
         if self._pid != os.getpid():
-            self._reset_feeder()
+            self._reset_process_state()
         payload = ForkingPickler.dumps(obj)
         with self._backlog_changed:
             direct = (
@@ -163,10 +164,10 @@ class DirectQueue:
         if self._closed:
             raise ValueError("get() on a closed DirectQueue")
         if self._pid != os.getpid():
-            self._reset_feeder()
+            self._reset_process_state()
         if block and timeout is None:
             with self._read_lock:
-                payload = self._reader.recv_bytes() if not self._partial else self._receive(None)
+                payload = self._receive(None)
         else:
             deadline = time.monotonic() + (timeout if block else 0.0)
             if not self._read_lock.acquire(block, timeout):
