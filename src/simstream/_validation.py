@@ -1,8 +1,28 @@
-"""The one integer-range check behind every config's ``<Owner>.<field> must be ...`` message."""
+"""The shared checks behind every config's ``<Owner>.<field> must be <accepted range>, got <value>`` message.
+
+Each helper raises ``ValueError`` naming the owner, the field, what is accepted and the value received, so
+every config (engine, async RL, behaviour cloning, the CLIs) words its errors the same way.
+"""
 
 from __future__ import annotations
 
-__all__ = ["require_int"]
+import math
+from collections.abc import Iterable
+from numbers import Real
+
+__all__ = ["require", "require_choice", "require_int", "require_number"]
+
+
+def require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:
+    """Raise ``ValueError("<owner>.<name> must be <accepted>, got <value!r>")`` unless ``ok``.
+
+    The general form, for rules the typed helpers below do not express (a relation between fields, a
+    non-empty tuple, ...). ``consequence``, appended after a full stop, says what would go wrong when that
+    is not obvious.
+    """
+    if not ok:
+        message = f"{owner}.{name} must be {accepted}, got {value!r}"
+        raise ValueError(f"{message}. {consequence}" if consequence else message)
 
 
 def require_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
@@ -13,3 +33,61 @@ def require_int(owner: str, name: str, value: object, low: int, high: int | None
     if type(value) is not int or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+
+
+def require_number(
+    owner: str,
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    consequence: str = "",
+) -> None:
+    """Require a finite real number (``bool`` excluded) within the bounds; ``optional`` also accepts ``None``.
+
+    ``low_open`` / ``high_open`` exclude the bound itself. Messages read ``a finite number > 0``,
+    ``a number in (0, 1]`` or ``None or a finite number >= 0``.
+
+    Examples:
+        >>> require_number("APPOConfig", "gamma", 1.5, 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: APPOConfig.gamma must be a number in [0, 1], got 1.5
+    """
+    if optional and value is None:
+        return
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if low is not None and high is not None:
+        accepted = (
+            f"a number in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
+        )
+    elif low is not None:
+        accepted = f"a finite number {'>' if low_open else '>='} {_bound(low)}"
+    elif high is not None:
+        accepted = f"a finite number {'<' if high_open else '<='} {_bound(high)}"
+    else:
+        accepted = "a finite number"
+    require(ok, owner, name, f"None or {accepted}" if optional else accepted, value, consequence)
+
+
+def require_choice(owner: str, name: str, value: object, choices: Iterable[object]) -> None:
+    """Require one of ``choices`` (a ``Literal`` field's values): ``must be 'a' or 'b'`` or ``one of ...``."""
+    choices = tuple(choices)
+    listed = [repr(choice) for choice in choices]
+    accepted = " or ".join(listed) if len(listed) <= 2 else "one of " + ", ".join(listed)
+    require(value in choices, owner, name, accepted, value)
+
+
+def _bound(value: float) -> str:
+    """``0`` -> ``0``, ``0.5`` -> ``0.5``, ``1e6`` -> ``1e6`` (not ``1e+06``)."""
+    text = f"{value:g}"
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if e else text

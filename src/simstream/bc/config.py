@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._validation import require_int
+from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
 from .policy import PolicyConfig
@@ -98,17 +97,22 @@ class DemoConfig:
             require_int("DemoConfig", name, getattr(self, name), 0)
         require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
         for name in ("lr", "time_limit_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"DemoConfig.{name} must be a finite number > 0, got {value!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise ValueError(f"DemoConfig.weight_decay must be a number >= 0, got {self.weight_decay!r}")
-        if self.buffer_size < self.num_workers:
-            raise ValueError(
-                f"DemoConfig.buffer_size must be >= num_workers ({self.num_workers}), got {self.buffer_size}"
-            )
-        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
-            raise ValueError(f"DemoConfig.name must be a folder name without '/', got {self.name!r}")
+            require_number("DemoConfig", name, getattr(self, name), 0, low_open=True)
+        require_number("DemoConfig", "weight_decay", self.weight_decay, 0)
+        require(
+            self.buffer_size >= self.num_workers,
+            "DemoConfig",
+            "buffer_size",
+            f">= num_workers ({self.num_workers})",
+            self.buffer_size,
+        )
+        require(
+            self.name is None or (bool(self.name) and "/" not in self.name and self.name not in (".", "..")),
+            "DemoConfig",
+            "name",
+            "a folder name without '/'",
+            self.name,
+        )
         from simstream.tasks import get_task
 
         get_task(self.task)

@@ -14,7 +14,6 @@ pick_place (one policy, 50 seeded episodes): averaging 90%, executing 8 steps pe
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .._validation import require_int
+from .._validation import require_int, require_number
 from .policy import ChunkPolicy, observation_features
 from .text import HashedTextEmbedding
 
@@ -50,13 +49,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         require_int("RolloutConfig", "execute_steps", self.execute_steps, 1)
-        decay = self.ensemble_decay
-        if decay is not None and not (
-            isinstance(decay, (int, float)) and math.isfinite(decay) and decay >= 0
-        ):
-            raise ValueError(
-                f"RolloutConfig.ensemble_decay must be None or a finite float >= 0, got {decay!r}"
-            )
+        require_number("RolloutConfig", "ensemble_decay", self.ensemble_decay, 0, optional=True)
         require_int("RolloutConfig", "max_episode_steps", self.max_episode_steps, 1)
 
 
