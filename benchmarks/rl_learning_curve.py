@@ -20,6 +20,7 @@ import tyro
 
 from _timing import Table, print_header
 from simstream.rl import APPOConfig, APPORunner
+from simstream.rl.config import Mode
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Args:
     env: str = "Hopper-v5"
     seconds: float = 600.0
     """Wall-clock budget per mode."""
-    modes: tuple[str, ...] = ("async", "sync")
+    modes: tuple[Mode, ...] = ("async", "sync")
     seed: int = 0
     out: str = "runs/bench-hopper"
     quick: bool = False
@@ -37,7 +38,7 @@ class Args:
 
 
 def _run(args: Args, mode: str) -> tuple[list[dict[str, float]], dict]:
-    cfg = APPOConfig(env_id=args.env, seed=args.seed, sync=mode == "sync", serial=mode == "serial")
+    cfg = APPOConfig(env_id=args.env, seed=args.seed, mode=mode)
     with APPORunner(cfg) as runner:
         summary = runner.learn(1_000_000, log_dir=None, max_wall_s=args.seconds, max_env_frames=None)
         return runner.history, summary

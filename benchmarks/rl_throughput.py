@@ -7,8 +7,9 @@ All candidates step the same gymnasium task with the same network, rollout shape
 
 * **async**: ``APPORunner`` default mode: the collector process steps rollout k+1 while the learner trains
   on rollout k, so collection and learning overlap on two cores;
-* **sync**: ``APPORunner(sync=True)``: the same processes in lock-step (the collector waits for each update);
-* **serial**: ``APPORunner(serial=True)``: collect then learn in one process, through the ring;
+* **sync**: ``APPOConfig(mode="sync")``: the same processes in lock-step (the collector waits for each
+  update);
+* **serial**: ``APPOConfig(mode="serial")``: collect then learn in one process, through the ring;
 * **plain**: a textbook loop (no ring, no weight buffer, no subprocess): step, then update.
 
 The rate is env frames trained on per second between the end of the warm-up iterations and the last
@@ -52,7 +53,7 @@ class Args:
     """A smoke run: 1 round of 6 measured updates."""
 
 
-def _config(args: Args, **mode) -> APPOConfig:
+def _config(args: Args, mode: str = "async") -> APPOConfig:
     return APPOConfig(
         env_id=args.env,
         num_envs=args.num_envs,
@@ -60,7 +61,7 @@ def _config(args: Args, **mode) -> APPOConfig:
         num_epochs=args.num_epochs,
         minibatch_size=args.minibatch_size,
         hidden_sizes=args.hidden_sizes,
-        **mode,
+        mode=mode,
     )
 
 
@@ -135,10 +136,9 @@ def run(args: Args) -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rates: dict[str, list[float]] = {"async": [], "sync": [], "serial": [], "plain": []}
     lags: dict[str, list[float]] = {"async": [], "sync": [], "serial": []}
-    modes = {"async": {}, "sync": {"sync": True}, "serial": {"serial": True}}
     for round_ in range(args.rounds):
-        for name, mode in modes.items():
-            rate, lag = runner_rate(_config(args, **mode), args.warmup_iterations, args.iterations)
+        for name in lags:
+            rate, lag = runner_rate(_config(args, name), args.warmup_iterations, args.iterations)
             rates[name].append(rate)
             lags[name].append(lag)
             print(f"round {round_ + 1}: {name:<6} {rate:8.0f} frames/s (policy lag {lag:.2f})", flush=True)

@@ -72,6 +72,11 @@ class ToyRunner(AsyncRunner):
         return True if int(self.counter) > count else None
 
 
+def take_one(queue) -> None:
+    """Reads one item from ``queue`` (unblocks a feeder thread stuck on a full pipe)."""
+    queue.get(timeout=60)
+
+
 def hammer_ring(ring, rollouts: int) -> None:
     """Writer for the torn-read test: fills each slot element by element with its rollout number."""
     torch.set_num_threads(1)

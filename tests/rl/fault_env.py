@@ -4,6 +4,8 @@ Registered as ``SimstreamFault-<fault>-v0``; use the id ``tests.rl.fault_env:Sim
 spawned collector imports this module (and registers the ids) before making the environment. The fault
 fires only in a child process, after ``FAULT_AFTER_STEPS`` steps of the first environment, and first
 writes ``time.monotonic()`` (system-wide on Linux) to the file named by ``SIMSTREAM_RL_FAULT_STAMP``.
+The ``close`` fault instead fires in any process: the first ``close()`` of an environment that has stepped
+raises (a simulator that fails to release its resources).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ FAULTS = (
     "abort",
     "exit135",
     "hang",
+    "close",
 )
 FAULT_AFTER_STEPS = 40
 HUGE_HEAD, HUGE_TAIL = "HUGE-HEAD-MARK", "HUGE-TAIL-MARK"
@@ -63,6 +66,7 @@ class FaultEnv(gym.Env):
         self.fault = fault
         self.state = np.zeros(3)
         self.t = 0
+        self.stepped = False
         if fault == "create" and in_child():
             stamp()
             raise RuntimeError("FaultEnv could not be created (injected)")
@@ -75,6 +79,7 @@ class FaultEnv(gym.Env):
 
     def step(self, action):
         self.t += 1
+        self.stepped = True
         if in_child():
             _maybe_fault(self.fault)
         self.state = self.state + 0.1 * float(np.asarray(action).reshape(-1)[0])
@@ -84,13 +89,19 @@ class FaultEnv(gym.Env):
             reward = float("nan")
         return self.state.copy(), reward, False, self.t >= 50, {}
 
+    def close(self):
+        if self.fault == "close" and self.stepped:
+            self.stepped = False  # once: a second close() (gymnasium's __del__) finds nothing to release
+            raise OSError("FaultEnv.close could not release the simulator (injected)")
+        super().close()
+
 
 _COUNT = {"steps": 0}
 
 
 def _maybe_fault(fault: str) -> None:
     _COUNT["steps"] += 1
-    if fault in ("none", "create", "nan") or _COUNT["steps"] != FAULT_AFTER_STEPS:
+    if fault in ("none", "create", "nan", "close") or _COUNT["steps"] != FAULT_AFTER_STEPS:
         return
     stamp()
     if fault == "raise":

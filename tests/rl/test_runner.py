@@ -94,7 +94,7 @@ def test_sync_mode_matches_serial_mode_exactly():
     """Lock-step with a subprocess is the same computation as collecting in-process (A/B equivalence)."""
     rows = {}
     for mode in ("sync", "serial"):
-        with APPORunner(_tiny(**{mode: True})) as runner:
+        with APPORunner(_tiny(mode=mode)) as runner:
             runner.learn(4, log_dir=None)
             rows[mode] = [
                 {
@@ -125,12 +125,12 @@ def test_async_drop_oldest_keeps_the_collector_running():
 
 
 def test_checkpoint_and_resume_restore_every_part(tmp_path):
-    with APPORunner(_tiny(serial=True)) as runner:
+    with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(3, save_interval=3, log_dir=str(tmp_path))
         path = runner.last_run_summary["last_checkpoint"]
         state = runner.learner.state_dict()
     assert os.path.basename(path) == "model_3.pt"
-    with APPORunner(_tiny(serial=True), resume=path) as resumed:
+    with APPORunner(_tiny(mode="serial"), resume=path) as resumed:
         assert resumed.policy_version == 3 and resumed.iterations_done == 3
         assert resumed.learner.updates == 3
         for key in ("model", "target"):
@@ -151,15 +151,15 @@ def test_checkpoint_and_resume_restore_every_part(tmp_path):
 
 
 def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
-    with APPORunner(_tiny(serial=True)) as runner:
+    with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(1, log_dir=str(tmp_path))
         path = runner.last_run_summary["last_checkpoint"]
     with pytest.raises(ValueError, match="obs_dim, act_dim"):
-        APPORunner(APPOConfig(env_id="InvertedPendulum-v5", serial=True), resume=path)
+        APPORunner(APPOConfig(env_id="InvertedPendulum-v5", mode="serial"), resume=path)
 
 
 def test_learn_validates_its_arguments():
-    runner = APPORunner(_tiny(serial=True))
+    runner = APPORunner(_tiny(mode="serial"))
     with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
         runner.learn(0)
     runner.close()
@@ -204,7 +204,9 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
     ("options", "message"),
     [
         (["--iterations", "0"], "--iterations must be an int >= 1, got 0"),
-        (["--save-interval", "0"], "--save-interval must be an int >= 1, got 0"),
+        (["--save-interval", "-1"], "--save-interval must be an int >= 0, got -1"),
+        (["--sync", "--serial"], "--sync, --serial and --mode choose different modes ['serial', 'sync']"),
+        (["--mode", "async", "--serial"], "choose different modes ['async', 'serial']"),
         (["--max-env-frames", "-5"], "--max-env-frames must be None or an int >= 1, got -5"),
         (["--target-return", "nan"], "--target-return must be None or a finite number"),
         (["--env", "NoSuch-v0"], "--env 'NoSuch-v0' is not a gymnasium environment here"),

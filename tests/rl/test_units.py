@@ -88,14 +88,20 @@ def test_collector_died_error_keeps_its_fields_and_pickles():
             "APPOConfig.overflow must be 'block' or 'drop_oldest', got 'drop_newest'",
         ),
         ({"max_policy_lag": -1}, "APPOConfig.max_policy_lag must be an int >= 0, got -1"),
-        ({"gamma": 1.5}, "APPOConfig.gamma must be in [0, 1], got 1.5"),
-        ({"learning_rate": 0.0}, "APPOConfig.learning_rate must be > 0, got 0.0"),
+        ({"gamma": 1.5}, "APPOConfig.gamma must be a number in [0, 1], got 1.5"),
+        ({"learning_rate": 0.0}, "APPOConfig.learning_rate must be a finite number > 0, got 0.0"),
         ({"hidden_sizes": ()}, "APPOConfig.hidden_sizes must be a non-empty tuple of ints >= 1, got ()"),
         (
             {"minibatch_size": 4096},
             "APPOConfig.minibatch_size must be <= num_envs * steps_per_rollout = 1024",
         ),
-        ({"desired_kl": -1.0}, "APPOConfig.desired_kl must be > 0, got -1.0"),
+        ({"desired_kl": -1.0}, "APPOConfig.desired_kl must be None or a finite number > 0, got -1.0"),
+        ({"entropy_coef": math.inf}, "APPOConfig.entropy_coef must be a finite number >= 0, got inf"),
+        ({"init_log_std": True}, "APPOConfig.init_log_std must be a number in [-5, 2], got True"),
+        (
+            {"mode": "lockstep"},
+            "APPOConfig.mode must be one of 'async', 'sync', 'serial', got 'lockstep'",
+        ),
     ],
 )
 def test_appo_config_rejects_bad_values_naming_the_field(kwargs, message):
@@ -104,15 +110,33 @@ def test_appo_config_rejects_bad_values_naming_the_field(kwargs, message):
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync", "serial"])
+def test_the_mode_is_one_typed_setting(mode):
+    assert APPOConfig(mode=mode).mode == mode
+    # the two booleans it replaces, which could both be set, are gone
+    for old in ("sync", "serial"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            APPOConfig(**{old: True})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"hang_timeout_s": 0}, "RunnerConfig.hang_timeout_s must be in (0, 1e6], got 0"),
-        ({"data_timeout_s": 1e7}, "RunnerConfig.data_timeout_s must be in (0, 1e6], got 10000000.0"),
-        ({"startup_timeout_s": float("nan")}, "RunnerConfig.startup_timeout_s must be in (0, 1e6], got nan"),
-        ({"poll_interval_s": 2.0}, "RunnerConfig.poll_interval_s must be in (0, 0.5], got 2.0"),
-        ({"shutdown_timeout_s": -1}, "RunnerConfig.shutdown_timeout_s must be in [0, 1e6], got -1"),
-        ({"shutdown_timeout_s": math.inf}, "RunnerConfig.shutdown_timeout_s must be in [0, 1e6], got inf"),
+        ({"hang_timeout_s": 0}, "RunnerConfig.hang_timeout_s must be a number in (0, 1e6], got 0"),
+        ({"data_timeout_s": 1e7}, "RunnerConfig.data_timeout_s must be a number in (0, 1e6], got 10000000.0"),
+        (
+            {"startup_timeout_s": float("nan")},
+            "RunnerConfig.startup_timeout_s must be a number in (0, 1e6], got nan",
+        ),
+        (
+            {"poll_interval_s": 2.0},
+            "RunnerConfig.poll_interval_s must be a number in (0, 0.5], got 2.0. Longer slices",
+        ),
+        ({"shutdown_timeout_s": -1}, "RunnerConfig.shutdown_timeout_s must be a number in [0, 1e6], got -1"),
+        (
+            {"shutdown_timeout_s": math.inf},
+            "RunnerConfig.shutdown_timeout_s must be a number in [0, 1e6], got inf",
+        ),
     ],
 )
 def test_runner_config_rejects_bad_values(kwargs, message):

@@ -2,7 +2,8 @@
 
 Writes TensorBoard logs, checkpoints, ``learning_curve.png`` and ``summary.json`` to ``runs/<name>/``.
 Exit codes: 0 done, 2 a bad option (named in the message; nothing is written), 3 the collector died (its
-report is printed to stderr), 1 any other failure, 130 interrupted.
+report is printed to stderr), 4 training ended but a shared resource could not be released (each error is
+printed and stored in ``summary.json``), 1 any other failure, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ import tyro
 
 from simstream.rl.config import APPOConfig
 
-__all__ = ["EXIT_COLLECTOR_DIED", "RLArgs", "main"]
+__all__ = ["EXIT_CLOSE_FAILED", "EXIT_COLLECTOR_DIED", "RLArgs", "main"]
 
 EXIT_COLLECTOR_DIED = 3
+EXIT_CLOSE_FAILED = 4
+_MODE_FLAGS = {"--sync": "sync", "--serial": "serial"}
+"""Short forms of ``--mode sync`` and ``--mode serial``."""
 
 
 @dataclass(frozen=True)
 class RLArgs:
     """Train asynchronous PPO (V-trace + target network) while a collector process steps the envs.
 
-    ``--env`` is short for ``--env-id``.
+    ``--env`` is short for ``--env-id``; ``--sync`` for ``--mode sync``; ``--serial`` for ``--mode serial``.
     """
 
     iterations: int = 100_000
@@ -42,16 +46,19 @@ class RLArgs:
     resume: str | None = None
     """A checkpoint (model_<n>.pt) to continue from: model, optimiser, normaliser, target net, versions."""
     save_interval: int = 50
-    """Save a checkpoint every this many updates."""
+    """Save a checkpoint every this many updates (0: only the last one)."""
     progress: bool = True
     """Show a progress bar (env frames/s, episode return, policy lag)."""
     ppo: Annotated[APPOConfig, tyro.conf.arg(name="")] = field(default_factory=APPOConfig)
     """Algorithm and collector settings."""
 
     def __post_init__(self) -> None:
-        for flag, value in (("--iterations", self.iterations), ("--save-interval", self.save_interval)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{flag} must be an int >= 1, got {value!r}.")
+        for flag, value, low in (
+            ("--iterations", self.iterations, 1),
+            ("--save-interval", self.save_interval, 0),
+        ):
+            if type(value) is not int or value < low:
+                raise ValueError(f"{flag} must be an int >= {low}, got {value!r}.")
         frames = self.max_env_frames
         if frames is not None and (type(frames) is not int or frames < 1):
             raise ValueError(f"--max-env-frames must be None or an int >= 1, got {frames!r}.")
@@ -63,6 +70,12 @@ class RLArgs:
 def main(argv: list[str]) -> int:
     """Parse ``argv`` with tyro, train, write the report; returns the exit code."""
     argv = ["--env-id" if a == "--env" else a.replace("--env=", "--env-id=", 1) for a in argv]
+    modes = {_MODE_FLAGS[a] for a in argv if a in _MODE_FLAGS}
+    modes |= {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--mode"}
+    modes |= {a.partition("=")[2] for a in argv if a.startswith("--mode=")}
+    if len(modes) > 1:
+        return _bad_option(f"--sync, --serial and --mode choose different modes {sorted(modes)}; give one.")
+    argv = [x for a in argv for x in (("--mode", _MODE_FLAGS[a]) if a in _MODE_FLAGS else (a,))]
     try:
         args = tyro.cli(RLArgs, args=argv, prog="simstream rl")
     except SystemExit as exit_:
@@ -81,7 +94,7 @@ def run(args: RLArgs) -> int:
     from simstream.rl.report import write_learning_curve, write_summary
 
     cfg = args.ppo
-    mode = "serial" if cfg.serial else "sync" if cfg.sync else "async"
+    mode = cfg.mode
     name = args.name or f"{cfg.env_id.split(':')[-1]}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.join(args.runs_dir, name)
     # bad options end here, with exit code 2 and nothing created on disk
@@ -129,6 +142,11 @@ def run(args: RLArgs) -> int:
         _close(bar)
         print(f"\nsimstream rl: {type(error).__name__}: {error}", file=sys.stderr)
     _close(bar)
+    errors = runner.last_close_report.errors if runner.last_close_report is not None else ()
+    if errors:
+        code = code or EXIT_CLOSE_FAILED
+        listed = "\n".join(f"  - {error}" for error in errors)
+        print(f"simstream rl: shared resources could not be released:\n{listed}", file=sys.stderr)
     if runner.last_run_summary is not None:
         summary = dict(runner.last_run_summary, run_dir=run_dir, close_report=repr(runner.last_close_report))
         write_summary(summary, os.path.join(run_dir, "summary.json"))
@@ -173,6 +191,7 @@ def _print_summary(summary: dict) -> None:
     fields = (
         "status", "iterations", "env_frames", "wall_time_s", "env_frames_per_s", "final_return",
         "best_return", "mean_policy_lag", "dropped_overflow", "dropped_stale", "last_checkpoint",
+        "close_errors",
     )  # fmt: skip
     width = max(map(len, fields))
     print("\n".join(f"  {k:<{width}}  {summary.get(k)}" for k in fields))

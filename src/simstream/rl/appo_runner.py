@@ -32,7 +32,7 @@ from .config import APPOConfig
 from .learner import APPOLearner
 from .model import packed_size
 from .ring import RolloutRing, TakenSlot
-from .runner import _SPAWN, AsyncRunner
+from .runner import _SPAWN, AsyncRunner, CloseReport
 from .weights import WeightBuffer
 
 __all__ = ["APPORunner"]
@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 class APPORunner(AsyncRunner):
     """Async PPO: a spawned collector steps ``num_envs`` environments while the learner updates.
 
-    Modes: asynchronous (default); ``sync=True`` (the collector waits for each update: lock-step, policy
-    lag 0); ``serial=True`` (collect then learn in this process; no subprocess, for debugging).
+    Modes (``APPOConfig.mode``): ``"async"`` (default); ``"sync"`` (the collector waits for each update:
+    lock-step, policy lag 0); ``"serial"`` (collect then learn in this process; no subprocess, for debugging).
 
     Owns the learner, the ring and the weight buffer; ``history`` holds one metrics row per update and
     ``last_run_summary`` the outcome of the last :meth:`learn`.
@@ -94,7 +94,7 @@ class APPORunner(AsyncRunner):
             env_id=cfg.env_id, num_envs=cfg.num_envs, steps=cfg.steps_per_rollout, seed=cfg.seed,
             obs_dim=self.obs_dim, act_dim=self.act_dim, hidden_sizes=tuple(cfg.hidden_sizes),
             init_log_std=cfg.init_log_std, gamma=cfg.gamma, reward_scale=cfg.reward_scale,
-            normalize_obs=cfg.normalize_obs, sync=cfg.sync,
+            normalize_obs=cfg.normalize_obs, sync=cfg.mode == "sync",
         )  # fmt: skip
 
     def _ensure_started(self, crash_dir: str | None) -> None:
@@ -105,7 +105,7 @@ class APPORunner(AsyncRunner):
         self.ring = self._register_shared(RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN))
         self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
         self.weights.publish(self.learner.snapshot(), self.policy_version)
-        if cfg.serial:
+        if cfg.mode == "serial":
             self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
         else:
             self._start_collector(
@@ -128,7 +128,8 @@ class APPORunner(AsyncRunner):
 
         Args:
             max_iterations: Updates to run (>= 1).
-            save_interval: Save ``model_<iteration>.pt`` into ``log_dir`` every this many updates.
+            save_interval: Save ``model_<iteration>.pt`` into ``log_dir`` every this many updates; 0 saves
+                no periodic checkpoints (the last update's is still saved).
             log_dir: TensorBoard logs, checkpoints and the collector crash log; ``None`` writes nothing.
             max_env_frames: Stop once the collector has stepped this many frames in total.
             target_return: Stop once the mean return of the last ``stats_window`` episodes reaches it.
@@ -136,13 +137,14 @@ class APPORunner(AsyncRunner):
             callback: Called with each history row (the CLI's progress bar).
 
         Returns:
-            ``last_run_summary``.
+            ``last_run_summary``. :meth:`close` later adds ``close_errors`` to this same dict: the
+            resources that could not be released (``None`` until the runner is closed).
 
         Raises:
             CollectorDiedError: the collector died, failed or hung (the summary is written first).
         """
         require_int("APPORunner.learn", "max_iterations", max_iterations, 1)
-        require_int("APPORunner.learn", "save_interval", save_interval, 1)
+        require_int("APPORunner.learn", "save_interval", save_interval, 0)
         self._raise_if_closed()
         threads = torch.get_num_threads()
         if self.config.learner_num_threads:
@@ -163,7 +165,7 @@ class APPORunner(AsyncRunner):
                         writer.add_scalar(key, value, int(row["rl/env_frames"]))
                 if callback is not None:
                     callback(row)
-                if log_dir is not None and self.iterations_done % save_interval == 0:
+                if log_dir is not None and save_interval and self.iterations_done % save_interval == 0:
                     checkpoint = self.save_checkpoint(
                         os.path.join(log_dir, f"model_{self.iterations_done}.pt")
                     )
@@ -229,7 +231,7 @@ class APPORunner(AsyncRunner):
         if self._serial is not None:
             self._serial.pull_weights(lambda: False, -1)
             self._serial.collect(lambda: False)
-        max_count = 1 if (cfg.sync or cfg.serial) else cfg.num_slots
+        max_count = cfg.num_slots if cfg.mode == "async" else 1
         min_version = None if cfg.max_policy_lag is None else self.policy_version - cfg.max_policy_lag
 
         def poll(slice_s: float) -> list[TakenSlot] | None:
@@ -266,6 +268,13 @@ class APPORunner(AsyncRunner):
             and row["rl/episodes_in_window"] >= self.config.stats_window
             and row["rl/return"] >= target_return
         )
+
+    def close(self) -> CloseReport:
+        """:meth:`AsyncRunner.close`; also copies the report's ``errors`` to ``last_run_summary``."""
+        report = super().close()
+        if self.last_run_summary is not None:
+            self.last_run_summary["close_errors"] = list(report.errors)
+        return report
 
     # ------------------------------------------------------------------ state
     @property
@@ -317,7 +326,7 @@ class APPORunner(AsyncRunner):
         return {
             "status": status,
             "env_id": self.config.env_id,
-            "mode": "serial" if self.config.serial else "sync" if self.config.sync else "async",
+            "mode": self.config.mode,
             "iterations": self.iterations_done,
             "policy_version": self.policy_version,
             "env_frames": self.env_frames,
@@ -334,6 +343,7 @@ class APPORunner(AsyncRunner):
             "dropped_stale": ring.dropped_stale if ring else 0,
             "last_checkpoint": checkpoint,
             "failure": failure,
+            "close_errors": None if self.last_close_report is None else list(self.last_close_report.errors),
         }
 
 

@@ -6,36 +6,17 @@ at construction, naming the field and the accepted range, before any memory or p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-from .._validation import require_int
+from .._validation import require, require_choice, require_int, require_number
 from ..config import MAX_TIMEOUT_S
 
-__all__ = ["APPOConfig", "RunnerConfig"]
+__all__ = ["MODES", "APPOConfig", "Mode", "RunnerConfig"]
 
-
-def _require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:
-    if not ok:
-        tail = f" {consequence}" if consequence else ""
-        raise ValueError(f"{owner}.{name} must be {accepted}, got {value!r}.{tail}")
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive(owner: str, name: str, value: float) -> None:
-    _require(
-        isinstance(value, (int, float)) and math.isfinite(value) and value > 0, owner, name, "> 0", value
-    )
-
-
-def _in_unit(owner: str, name: str, value: float, *, open_low: bool = False) -> None:
-    low_ok = value > 0 if open_low else value >= 0
-    accepted = "in (0, 1]" if open_low else "in [0, 1]"
-    _require(isinstance(value, (int, float)) and low_ok and value <= 1, owner, name, accepted, value)
+Mode = Literal["async", "sync", "serial"]
+"""How collection and learning interleave (see :attr:`APPOConfig.mode`)."""
+MODES: tuple[str, ...] = get_args(Mode)
 
 
 @dataclass(frozen=True)
@@ -56,25 +37,16 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         # process joins poll(2) in int32 milliseconds: longer waits would overflow
         for name in ("hang_timeout_s", "startup_timeout_s", "data_timeout_s"):
-            value = getattr(self, name)
-            _require(
-                _finite(value) and 0 < value <= MAX_TIMEOUT_S, "RunnerConfig", name, "in (0, 1e6]", value
-            )
-        value = self.shutdown_timeout_s
-        _require(
-            _finite(value) and 0 <= value <= MAX_TIMEOUT_S,
-            "RunnerConfig",
-            "shutdown_timeout_s",
-            "in [0, 1e6]",
-            value,
-        )
-        _require(
-            isinstance(self.poll_interval_s, (int, float)) and 0 < self.poll_interval_s <= 0.5,
+            require_number("RunnerConfig", name, getattr(self, name), 0, MAX_TIMEOUT_S, low_open=True)
+        require_number("RunnerConfig", "shutdown_timeout_s", self.shutdown_timeout_s, 0, MAX_TIMEOUT_S)
+        require_number(
             "RunnerConfig",
             "poll_interval_s",
-            "in (0, 0.5]",
             self.poll_interval_s,
-            "Longer slices would let a collector death go unnoticed for more than a second.",
+            0,
+            0.5,
+            low_open=True,
+            consequence="Longer slices would let a collector death go unnoticed for more than a second.",
         )
 
 
@@ -94,10 +66,10 @@ class APPOConfig:
     """Full ring: ``block`` makes the collector wait (back-pressure); ``drop_oldest`` overwrites (counted)."""
     max_policy_lag: int | None = 8
     """Rollouts whose policy is more than this many versions behind the learner are dropped (counted)."""
-    sync: bool = False
-    """The collector waits for each update before the next rollout (lock-step, for A/B comparison)."""
-    serial: bool = False
-    """Collect and learn in one process, one after the other (debugging; no subprocess)."""
+    mode: Mode = "async"
+    """``async``: the collector steps the next rollouts while the learner trains (policy lag >= 0);
+    ``sync``: the collector waits for each update before its next rollout (lock-step, policy lag 0, for A/B
+    comparison); ``serial``: collect, then learn, in this one process (no subprocess; for debugging)."""
     seed: int = 0
     """Seeds the networks, the environments and the action noise."""
     hidden_sizes: tuple[int, ...] = (64, 64)
@@ -143,7 +115,7 @@ class APPOConfig:
 
     def __post_init__(self) -> None:
         owner = "APPOConfig"
-        _require(isinstance(self.env_id, str) and bool(self.env_id), owner, "env_id", "a gym id", self.env_id)
+        require(isinstance(self.env_id, str) and bool(self.env_id), owner, "env_id", "a gym id", self.env_id)
         for name, low in (
             ("num_envs", 1),
             ("steps_per_rollout", 1),
@@ -156,46 +128,33 @@ class APPOConfig:
             ("seed", 0),
         ):
             require_int(owner, name, getattr(self, name), low)
-        _require(
-            self.overflow in ("block", "drop_oldest"),
-            owner,
-            "overflow",
-            "'block' or 'drop_oldest'",
-            self.overflow,
-        )
+        require_choice(owner, "overflow", self.overflow, ("block", "drop_oldest"))
+        require_choice(owner, "mode", self.mode, MODES)
         if self.max_policy_lag is not None:
             require_int(owner, "max_policy_lag", self.max_policy_lag, 0)
-        _require(
-            len(self.hidden_sizes) >= 1 and all(isinstance(h, int) and h >= 1 for h in self.hidden_sizes),
+        require(
+            len(self.hidden_sizes) >= 1 and all(type(h) is int and h >= 1 for h in self.hidden_sizes),
             owner,
             "hidden_sizes",
             "a non-empty tuple of ints >= 1",
             self.hidden_sizes,
         )
         for name in ("learning_rate", "clip_ratio", "max_grad_norm", "rho_bar", "c_bar", "reward_scale"):
-            _positive(owner, name, getattr(self, name))
-        if self.desired_kl is not None:
-            _positive(owner, "desired_kl", self.desired_kl)
-        _in_unit(owner, "gamma", self.gamma)
-        _in_unit(owner, "gae_lambda", self.gae_lambda)
+            require_number(owner, name, getattr(self, name), 0, low_open=True)
+        require_number(owner, "desired_kl", self.desired_kl, 0, low_open=True, optional=True)
+        require_number(owner, "gamma", self.gamma, 0, 1)
+        require_number(owner, "gae_lambda", self.gae_lambda, 0, 1)
         for name in ("value_coef", "entropy_coef"):
-            value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value >= 0, owner, name, ">= 0", value)
-        _require(
-            isinstance(self.init_log_std, (int, float)) and -5 <= self.init_log_std <= 2,
-            owner,
-            "init_log_std",
-            "in [-5, 2]",
-            self.init_log_std,
-        )
-        _require(
+            require_number(owner, name, getattr(self, name), 0)
+        require_number(owner, "init_log_std", self.init_log_std, -5, 2)
+        require(
             self.minibatch_size <= self.frames_per_rollout,
             owner,
             "minibatch_size",
             f"<= num_envs * steps_per_rollout = {self.frames_per_rollout}",
             self.minibatch_size,
         )
-        _require(isinstance(self.runner, RunnerConfig), owner, "runner", "a RunnerConfig", self.runner)
+        require(isinstance(self.runner, RunnerConfig), owner, "runner", "a RunnerConfig", self.runner)
 
     @property
     def frames_per_rollout(self) -> int:

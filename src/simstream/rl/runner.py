@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.queues
 import os
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -58,12 +60,19 @@ class CloseReport:
     """Shared resources released."""
     failure: str | None
     """The death report, when the collector had failed (raised or not)."""
+    errors: tuple[str, ...] = ()
+    """One entry per shared resource that could not be released: which, how, and the error."""
 
     @property
     def clean(self) -> bool:
-        """The collector stopped on request with exit code 0 (or never ran) and nothing failed."""
+        """The collector stopped on request with exit code 0 (or never ran), nothing failed, and every
+        shared resource was released."""
         return (
-            not self.forced and not self.still_alive and self.failure is None and self.exitcode in (None, 0)
+            not self.forced
+            and not self.still_alive
+            and self.failure is None
+            and self.exitcode in (None, 0)
+            and not self.errors
         )
 
 
@@ -119,7 +128,7 @@ class AsyncRunner(ABC):
 
     @abstractmethod
     def learn(self, max_iterations: int, save_interval: int = 50, log_dir: str | None = "logs") -> Any:
-        """Train for ``max_iterations`` updates."""
+        """Train for ``max_iterations`` updates; checkpoint every ``save_interval`` (0: no periodic ones)."""
 
     def _collector_target(self) -> str:
         """``"module:Class._collector_fn"`` of the class defining the collector (imported in the child)."""
@@ -173,7 +182,11 @@ class AsyncRunner(ABC):
             raise RuntimeError(f"{type(self).__name__} is closed; create a new runner to train again")
 
     def _register_shared(self, resource: T) -> T:
-        """Have :meth:`close` release ``resource`` (``release``, ``cleanup`` or ``close``), newest first."""
+        """Have :meth:`close` release ``resource`` (``release``, ``cleanup`` or ``close``), newest first.
+
+        A ``multiprocessing.Queue`` also gets ``join_thread()`` after ``close()``, so what it buffered has
+        reached the pipe when ``close`` returns (bounded: see :meth:`close`).
+        """
         self._shared_resources.append(resource)
         return resource
 
@@ -274,7 +287,11 @@ class AsyncRunner(ABC):
         """Stop and reap the collector, release shared memory; idempotent, bounded, never raises.
 
         Order: set the stop event -> join (``shutdown_timeout_s``; none for a hung collector) ->
-        ``terminate()`` -> ``kill()`` -> release shared resources, newest first.
+        ``terminate()`` -> ``kill()`` -> release shared resources, newest first. A resource whose release
+        raises is logged and listed in ``CloseReport.errors`` (the report is then not ``clean``); the
+        others are still released. A registered queue's ``join_thread()`` waits at most
+        ``max(shutdown_timeout_s, 1)`` s: a feeder thread blocked on a full pipe that nobody reads any more
+        is reported as an error, and left behind (a daemon thread) rather than waited for forever.
 
         Returns:
             The :class:`CloseReport` (also kept as ``last_close_report``).
@@ -303,26 +320,34 @@ class AsyncRunner(ABC):
                 logger.error("collector failed before close():\n%s", failure)
         if self._finalizer is not None:
             self._finalizer.detach()
-        released = self._release_resources()
+        released, errors = self._release_resources()
         if self._crash_log is not None:
             self._crash_log.cleanup()
-        self.last_close_report = CloseReport(exitcode, forced, still_alive, released, failure)
+        self.last_close_report = CloseReport(exitcode, forced, still_alive, released, failure, tuple(errors))
         return self.last_close_report
 
-    def _release_resources(self) -> int:
-        released = 0
+    def _release_resources(self) -> tuple[int, list[str]]:
+        """Release every registered resource, newest first; returns how many succeeded and the errors."""
+        released, errors = 0, []
+        join_timeout_s = max(self.runner_config.shutdown_timeout_s, 1.0)
         while self._shared_resources:
             resource = self._shared_resources.pop()
-            for name in ("release", "cleanup", "close"):
-                method = getattr(resource, name, None)
-                if callable(method):
-                    try:
-                        method()
-                        released += 1
-                    except Exception:
-                        logger.exception("releasing %r failed", resource)
-                    break
-        return released
+            kind = type(resource).__name__
+            name = next(
+                (n for n in ("release", "cleanup", "close") if callable(getattr(resource, n, None))), None
+            )
+            if name is None:
+                continue
+            try:
+                getattr(resource, name)()
+                if isinstance(resource, mp.queues.Queue):
+                    name = "join_thread"
+                    _join_feeder(resource, join_timeout_s)
+                released += 1
+            except Exception as error:
+                logger.exception("releasing %s failed", kind)
+                errors.append(f"{kind}.{name}() failed: {type(error).__name__}: {error}")
+        return released, errors
 
     def __enter__(self):
         return self
@@ -330,6 +355,19 @@ class AsyncRunner(ABC):
     def __exit__(self, *exc_info) -> bool:
         self.close()
         return False
+
+
+def _join_feeder(queue: mp.queues.Queue, timeout_s: float) -> None:
+    """``queue.join_thread()``, bounded: its feeder thread blocks for good on a full pipe nobody reads."""
+    joiner = threading.Thread(target=queue.join_thread, name="simstream-queue-join", daemon=True)
+    joiner.start()
+    joiner.join(timeout_s)
+    if joiner.is_alive():
+        queue.cancel_join_thread()  # nor may the interpreter's exit wait for it
+        raise TimeoutError(
+            f"its feeder thread did not finish within {timeout_s:g} s: it is blocked writing items nobody "
+            "read into a full pipe; those items are lost and the thread stays blocked"
+        )
 
 
 def _emergency_stop(stop_event, supervisor: WorkerSupervisor) -> None:
