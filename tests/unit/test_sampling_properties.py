@@ -9,7 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simstream import DataUnavailableError, Episode, Segment
+from simstream import DataUnavailableError, Episode, Field, Segment
+from simstream.buffer.index import EligibilityIndex
+from simstream.buffer.storage import TrajectoryStorage
+from simstream.config import SourceLayout
+from simstream.sampling.keys import select_keys
+from simstream.sampling.sampler import WindowSampler
 from tests.support.harness import Harness
 
 STEPS = 16
@@ -165,8 +170,8 @@ def test_torn_rows_are_redrawn():
     original = gatherer.gather
     calls = []
 
-    def gather_then_claim(frames, out=None):
-        result = original(frames, out)
+    def gather_then_claim(frames, out=None, columns=None):
+        result = original(frames, out, columns)
         if not calls:
             harness.writer.claim(0, 1)  # row 0 is rewritten while the copy is in flight
         calls.append(frames)
@@ -186,3 +191,112 @@ def test_batches_are_copies():
     batch["obs"].zero_()
     assert float(harness.storage.metadata("episode_step")[0, 3]) == 3
     assert float(harness.storage.rows_view()["obs"][0, 3, 1]) == 3.0
+
+
+# -- keys= ------------------------------------------------------------------------------------------
+def _leaf_paths(batch) -> set[tuple[str, ...]]:
+    return {k if isinstance(k, tuple) else (k,) for k in batch.keys(include_nested=True, leaves_only=True)}
+
+
+KEY_FORMS = {
+    "obs": ["obs", ("obs",)],
+    "actions": ["actions", ("actions",)],
+    "task_index": ["task_index"],
+    "episode_step": [("episode_step",)],
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(sorted(KEY_FORMS)), max_size=4),
+    form=st.integers(0, 1),
+    chunk=st.integers(1, 6),
+    contexts=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_keys_copy_exactly_the_named_keys_of_the_same_draws(names, form, chunk, contexts, seed):
+    """keys= changes what is copied, never what is drawn: same seed, same windows, fewer keys."""
+    harness = Harness(rows=3, steps=STEPS)
+    for row in range(3):
+        harness.publish(row, Episode(length=10 + row))
+    keys = [KEY_FORMS[name][form % len(KEY_FORMS[name])] for name in names]
+
+    def sample(**kwargs):
+        generator = torch.Generator().manual_seed(seed)
+        if contexts:
+            return harness.sampler.sample_contexts(8, chunk, 2, "episode", generator, **kwargs)
+        return harness.sampler.sample_chunks(8, chunk, "episode", generator, **kwargs)
+
+    full, selected = sample(), sample(keys=keys)
+    expected = {(name,) for name in names} | {("valid",)} | ({("loss_mask",)} if contexts else set())
+    assert _leaf_paths(selected) == expected
+    for path in expected:
+        assert torch.equal(selected.get(path), full.get(path)), path
+
+
+def test_keys_accept_field_names_nested_tuples_and_groups():
+    harness = Harness(rows=2, steps=STEPS)
+    for row in range(2):
+        harness.publish(row, Episode(length=12))
+    sampler = harness.sampler
+    assert _leaf_paths(sampler.sample_chunks(2, 3, "episode", None, keys="actions")) == {
+        ("actions",),
+        ("valid",),
+    }
+    assert _leaf_paths(sampler.sample_chunks(2, 3, "episode", None, keys=[])) == {("valid",)}
+    contexts = sampler.sample_contexts(2, 2, 2, "episode", None, keys=["loss_mask", "obs"])
+    assert _leaf_paths(contexts) == {("obs",), ("valid",), ("loss_mask",)}
+
+
+def test_keys_select_nested_fields_by_name_tuple_or_group():
+    layout = SourceLayout(1, STEPS, {"obs/state": Field((2,)), "obs/rgb": Field((3, 4, 4), torch.uint8)})
+    storage = TrajectoryStorage(layout, 2, False)
+    sampler = WindowSampler(storage, EligibilityIndex(2, STEPS))
+    paths = sampler.gatherer.paths
+    rgb, state, valid = paths.index(("obs", "rgb")), paths.index(("obs", "state")), paths.index(("valid",))
+    assert select_keys(paths, "obs/rgb") == tuple(sorted((rgb, valid)))
+    assert select_keys(paths, [("obs", "rgb")]) == tuple(sorted((rgb, valid)))
+    assert select_keys(paths, ["obs"]) == tuple(sorted((rgb, state, valid)))
+    assert select_keys(paths, None) is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "error", "message"),
+    [
+        pytest.param(
+            ["obs", "camera"],
+            KeyError,
+            r"no stored key 'camera'; the buffer holds 'obs', 'actions'",
+            id="unknown",
+        ),
+        pytest.param(("obs", "state"), KeyError, r"no stored key 'state'", id="nested-key-as-collection"),
+        pytest.param(["obs/x"], KeyError, r"no stored key 'obs/x'.*'valid'", id="unknown-field-name"),
+        pytest.param("loss_mask", KeyError, r"no stored key 'loss_mask'", id="loss-mask-of-chunks"),
+        pytest.param([3], ValueError, r"keys: 3 is not a key; a key is a nonempty str", id="int"),
+        pytest.param([["obs"]], ValueError, r"keys: \['obs'\] is not a key", id="list-entry"),
+        pytest.param(["obs//x"], ValueError, r"keys: 'obs//x' is not a key", id="empty-part"),
+        pytest.param({"obs"}, ValueError, r"keys must be None, a key or a list of keys .* got set", id="set"),
+    ],
+)
+def test_bad_keys_are_refused_before_anything_is_copied(keys, error, message):
+    harness = Harness(rows=1, steps=STEPS)
+    harness.publish(0, Episode(length=8))
+    out = harness.sampler.sample_chunks(2, 4, "episode", None)
+    out.apply_(lambda leaf: leaf.zero_())
+    with pytest.raises(error, match=message):
+        harness.sampler.sample_chunks(2, 4, "episode", None, out=out, keys=keys)
+    assert not any(bool(leaf.any()) for leaf in out.values(include_nested=True, leaves_only=True))
+
+
+def test_out_with_keys_checks_and_writes_only_the_named_keys():
+    harness = Harness(rows=1, steps=STEPS)
+    harness.publish(0, Episode(length=8))
+    out = harness.sampler.sample_chunks(2, 4, "episode", None, keys=["actions"])
+    out.set("obs", torch.zeros(2, 4, 5))  # a wrong shape on a key not copied is left alone
+    result = harness.sampler.sample_chunks(2, 4, "episode", None, out=out, keys=["actions"])
+    assert result is out and torch.equal(out["obs"], torch.zeros(2, 4, 5))
+    assert bool(out["valid"].all())
+    with pytest.raises(KeyError, match="out has no tensor at 'obs'"):
+        harness.sampler.sample_chunks(2, 4, "episode", None, out=out.exclude("obs"), keys=["obs"])
+    with pytest.raises(ValueError, match=r"out\['obs'\] must be a contiguous torch.float32 tensor"):
+        harness.sampler.sample_chunks(2, 4, "episode", None, out=out, keys=["obs"])

@@ -184,7 +184,12 @@ kernel measured faster."""
 
 
 class BatchGatherer:
-    """Gathers frames of every stored key into a new (or given) TensorDict ``[n, L]``."""
+    """Gathers frames of the stored keys (all, or a selection) into a new (or given) TensorDict ``[n, L]``.
+
+    A selection is a tuple of positions in the storage's key order (see
+    :func:`simstream.sampling.keys.select_keys`); ``None`` selects every key. Keys outside a selection
+    are never read.
+    """
 
     def __init__(self, storage: TrajectoryStorage, pool: ArenaPool | None = None) -> None:
         self._sources = [storage.flat[spec.path] for spec in storage.specs]
@@ -192,7 +197,8 @@ class BatchGatherer:
         self._dtypes = tuple(spec.dtype for spec in storage.specs)
         self._frames = tuple(spec.frame_shape for spec in storage.specs)
         self._frame_bytes = [source[0].numel() * source.element_size() for source in self._sources]
-        self._layouts: dict[tuple[int, int], BatchLayout] = {}
+        self._every = tuple(range(len(self._paths)))
+        self._layouts: dict[tuple[int, int, tuple[int, ...]], BatchLayout] = {}
         self._windows: dict[int, list[torch.Tensor | None]] = {}
         self.pool = pool if pool is not None else ArenaPool()
 
@@ -201,40 +207,63 @@ class BatchGatherer:
         state["_windows"] = {}  # views are rebuilt on demand, never pickled
         return state
 
-    def layout(self, n: int, length: int) -> BatchLayout:
-        """The layout of a batch ``[n, length]`` of every stored key."""
-        layout = self._layouts.get((n, length))
+    @property
+    def paths(self) -> tuple[tuple[str, ...], ...]:
+        """Every stored key, in storage order (the positions a selection refers to)."""
+        return self._paths
+
+    def layout(self, n: int, length: int, columns: tuple[int, ...] | None = None) -> BatchLayout:
+        """The layout of a batch ``[n, length]`` of the selected keys (every key by default)."""
+        columns = self._every if columns is None else columns
+        layout = self._layouts.get((n, length, columns))
         if layout is None:
             if len(self._layouts) > 16:  # a chunk-size sampler may ask for many lengths
                 self._layouts.clear()
-            layout = BatchLayout(self._paths, self._dtypes, self._frames, (n, length))
-            self._layouts[n, length] = layout
+            layout = self._new_layout(n, length, columns)
+            self._layouts[n, length, columns] = layout
         return layout
 
-    def gather(self, frames: torch.Tensor | ChunkFrames, out: TensorDict | None = None) -> TensorDict:
-        """Copy ``frames`` of every key.
+    def _new_layout(self, n: int, length: int, columns: tuple[int, ...]) -> BatchLayout:
+        return BatchLayout(
+            tuple(self._paths[i] for i in columns),
+            tuple(self._dtypes[i] for i in columns),
+            tuple(self._frames[i] for i in columns),
+            (n, length),
+        )
+
+    def gather(
+        self,
+        frames: torch.Tensor | ChunkFrames,
+        out: TensorDict | None = None,
+        columns: tuple[int, ...] | None = None,
+    ) -> TensorDict:
+        """Copy ``frames`` of the selected keys.
 
         Args:
             frames: An ``[n, L]`` tensor of flat frame indices (the padding frame index yields padding
                 values), or :class:`ChunkFrames` for windows of consecutive frames.
-            out: Optional TensorDict ``[n, L]`` with the buffer's keys to write into instead of allocating.
+            out: Optional TensorDict ``[n, L]`` holding the selected keys, to write into instead of
+                allocating; only the selected keys are checked and written.
+            columns: The selected keys (``None``: every key).
 
         Returns:
             A TensorDict ``[n, L]`` that owns its memory (``out`` when given).
         """
         n, length = frames.shape
+        columns = self._every if columns is None else columns
         if out is not None:
-            self._copy(frames, self._out_targets(out, n, length))
+            self._copy(frames, self._out_targets(out, n, length, columns), columns)
             return out
-        layout = self.layout(n, length)
-        targets, leaves = self.pool.acquire((n, length), layout.nbytes, lambda base: _targets(layout, base))
-        self._copy(frames, targets)
+        layout = self.layout(n, length, columns)
+        key = (n, length, columns)
+        targets, leaves = self.pool.acquire(key, layout.nbytes, lambda base: _targets(layout, base))
+        self._copy(frames, targets, columns)
         return layout.tensordict(leaves)
 
     def _out_targets(
-        self, out: TensorDict, n: int, length: int
+        self, out: TensorDict, n: int, length: int, columns: tuple[int, ...]
     ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        """``(None, shaped)`` write targets of every stored key in ``out``, checked before any write.
+        """``(None, shaped)`` write targets of the selected keys in ``out``, checked before any write.
 
         The flat view a per-frame gather needs is made by :meth:`_copy` for the keys that use it.
         """
@@ -244,7 +273,8 @@ class BatchGatherer:
             for key, leaf in out.items(include_nested=True, leaves_only=True)
         }
         targets = []
-        for path, dtype, frame in zip(self._paths, self._dtypes, self._frames):
+        for column in columns:
+            path, dtype, frame = self._paths[column], self._dtypes[column], self._frames[column]
             target = leaves.get(path)
             if target is None:
                 raise KeyError(
@@ -259,17 +289,17 @@ class BatchGatherer:
             targets.append((None, target))
         return targets
 
-    def empty(self, n: int, length: int) -> TensorDict:
-        """A fresh, unpooled batch ``[n, length]`` of the buffer's keys (one arena).
+    def empty(self, n: int, length: int, columns: tuple[int, ...] | None = None) -> TensorDict:
+        """A fresh, unpooled batch ``[n, length]`` of the selected keys (one arena).
 
         For one-off shapes such as re-gathered torn items: pooling them would evict the arenas of the
         steady batch shape and bring its first-touch page faults back.
         """
-        return BatchLayout(self._paths, self._dtypes, self._frames, (n, length)).empty()
+        return self._new_layout(n, length, self._every if columns is None else columns).empty()
 
     @staticmethod
     def replace_items(batch: TensorDict, items: torch.Tensor, values: TensorDict) -> None:
-        """``batch[items] = values`` for every key, as contiguous row copies.
+        """``batch[items] = values`` for every key of ``values``, as contiguous row copies.
 
         A TensorDict item assignment (``index_put_``) and ``index_copy_`` run element-wise: on image
         frames they cost 20x a plain copy of each replaced item's rows.
@@ -284,22 +314,27 @@ class BatchGatherer:
                 target[row].copy_(source[position])
 
     def _copy(
-        self, frames: torch.Tensor | ChunkFrames, targets: list[tuple[torch.Tensor | None, torch.Tensor]]
+        self,
+        frames: torch.Tensor | ChunkFrames,
+        targets: list[tuple[torch.Tensor | None, torch.Tensor]],
+        columns: tuple[int, ...],
     ) -> None:
+        sources = self._sources
         if isinstance(frames, ChunkFrames):
             windows = self._window_views(frames.length)
             flat_index = None
-            for source, window, (flat, shaped) in zip(self._sources, windows, targets):
+            for column, (flat, shaped) in zip(columns, targets):
+                window = windows[column]
                 if window is not None:
                     torch.index_select(window, 0, frames.starts, out=shaped)
                     continue
                 if flat_index is None:
                     flat_index = frames.to_index().view(-1)
-                torch.index_select(source, 0, flat_index, out=_flat(flat, shaped))
+                torch.index_select(sources[column], 0, flat_index, out=_flat(flat, shaped))
             return
         flat_index = frames.reshape(-1)
-        for source, (flat, shaped) in zip(self._sources, targets):
-            torch.index_select(source, 0, flat_index, out=_flat(flat, shaped))
+        for column, (flat, shaped) in zip(columns, targets):
+            torch.index_select(sources[column], 0, flat_index, out=_flat(flat, shaped))
 
     def _window_views(self, length: int) -> list[torch.Tensor | None]:
         """Per key, an overlapping view ``[frames - length + 1, length, *frame]`` (or None: gather frames)."""

@@ -6,10 +6,18 @@ With per-episode quotas, selection, copy and debit happen under the quota lock s
 all-or-nothing; producers take that lock only to publish fresh quotas. ``check_failed`` (the engine's
 failure check) runs before a batch is charged and while the quota lock is held elsewhere, so a producer
 killed while holding it ends the wait with its error instead of a hang.
+
+A request that finds no eligible window can be short of data only for a moment: the rows that would
+serve it may be claimed by a producer (odd seqlock version) that is about to publish them. Such a request
+is tried again, with a backoff of 0.2 ms doubling to 5 ms, for up to ``wait_s`` seconds, and ``check_ready``
+(the engine's failure, state and liveness checks) runs before every retry, so a producer's published error
+always wins over the wait. It gives up at once when every row has been seen published and unchanged
+through a whole try that still found nothing: no rewrite under way can help then.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -22,11 +30,14 @@ from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
 from .gather import BatchGatherer, ChunkFrames
+from .keys import select_keys
 from .windows import IndexTables, WindowSelection, candidate_rows, draw_rows, draw_starts
 
 __all__ = ["WindowSampler"]
 
 _MAX_TORN_ROUNDS = 64
+_FIRST_BACKOFF_S = 2e-4
+_MAX_BACKOFF_S = 5e-3
 FrameMap = Callable[[WindowSelection], "torch.Tensor | ChunkFrames"]
 """Selected windows -> their frames: ``[n, L]`` flat indices (padding frame for padded positions)."""
 
@@ -44,6 +55,42 @@ class _Request(NamedTuple):
     frames: FrameMap
     unavailable: str
     """Message of the ``DataUnavailableError`` when nothing can be drawn."""
+    columns: tuple[int, ...] | None
+    """Stored keys to copy (positions in storage order; ``None``: every key)."""
+
+
+class _Retries:
+    """Bounded retries of a request that found no eligible window (see the module docstring).
+
+    ``settled[r]`` becomes true once row ``r`` kept one even version through a whole try that found
+    nothing: it was published then and could not serve the request.
+    """
+
+    def __init__(self, version: np.ndarray, wait_s: float) -> None:
+        self._version = version
+        self._deadline = time.monotonic() + wait_s
+        self._delay = 0.0  # the first retry is immediate: a row may have been published just now
+        self._before = version
+        self.settled = np.zeros(version.shape, dtype=bool)
+
+    def next_try(self, check_ready: Callable[[], None] | None) -> bool:
+        """Wait before the next try, then run ``check_ready``; ``False`` once the bound has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if self._delay:
+            time.sleep(min(self._delay, left))
+        self._delay = min(max(2 * self._delay, _FIRST_BACKOFF_S), _MAX_BACKOFF_S)
+        if check_ready is not None:
+            check_ready()
+        self._before = self._version.copy()
+        return True
+
+    def hopeless(self) -> bool:
+        """After a try that found nothing: whether every row has settled."""
+        after = self._version.copy()
+        self.settled |= (after == self._before) & ((after & 1) == 0)
+        return bool(self.settled.all())
 
 
 class WindowSampler:
@@ -55,6 +102,7 @@ class WindowSampler:
         self.quota = quota
         self.tables = IndexTables(index)
         self.gatherer = BatchGatherer(storage)
+        self._selections: dict[tuple, tuple[int, ...]] = {}
 
     def sample_chunks(
         self,
@@ -64,9 +112,18 @@ class WindowSampler:
         generator: torch.Generator | None,
         *,
         out: TensorDict | None = None,
+        keys: object = None,
         check_failed: Callable[[], None] | None = None,
+        check_ready: Callable[[], None] | None = None,
+        wait_s: float = 0.0,
     ) -> TensorDict:
-        """``batch_size`` windows of ``chunk_size`` valid frames; every key copied."""
+        """``batch_size`` windows of ``chunk_size`` valid frames of the keys named by ``keys`` (all: None).
+
+        ``keys`` is checked (:func:`~simstream.sampling.keys.select_keys`, plus ``valid``) before anything
+        is drawn or copied. With nothing eligible, retries for up to ``wait_s`` seconds while rows are
+        being written (``check_ready`` before each retry).
+        """
+        columns = self._columns(keys, ())
         steps = self.storage.max_steps
 
         def frames(selection: WindowSelection) -> ChunkFrames:
@@ -76,8 +133,8 @@ class WindowSampler:
             "[OnlineDataEngine] No unlocked valid chunk satisfies "
             f"sampling_mode={mode!r} and chunk_size={chunk_size}."
         )
-        request = _Request(batch_size, chunk_size, mode, generator, None, frames, unavailable)
-        return self._sample(request, out, check_failed)
+        request = _Request(batch_size, chunk_size, mode, generator, None, frames, unavailable, columns)
+        return self._sample(request, out, check_failed, check_ready, wait_s)
 
     def sample_contexts(
         self,
@@ -88,8 +145,16 @@ class WindowSampler:
         generator: torch.Generator | None,
         generations: tuple[int, ...] | None = None,
         check_failed: Callable[[], None] | None = None,
+        *,
+        keys: object = None,
+        check_ready: Callable[[], None] | None = None,
+        wait_s: float = 0.0,
     ) -> TensorDict:
-        """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``."""
+        """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``.
+
+        ``keys`` as in :meth:`sample_chunks`; ``loss_mask`` is always added (and may be named).
+        """
+        columns = self._columns(keys, ("loss_mask",))
         steps, pad = self.storage.max_steps, self.storage.pad_index
         positions = np.arange(history_length + prediction_horizon - 1) - (history_length - 1)
         wanted = None if generations is None else np.asarray(generations, dtype=np.int64)
@@ -102,12 +167,32 @@ class WindowSampler:
         unavailable = (
             f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
         )
-        request = _Request(batch_size, 1, mode, generator, wanted, frames, unavailable)
-        batch = self._sample(request, None, check_failed)
+        request = _Request(batch_size, 1, mode, generator, wanted, frames, unavailable, columns)
+        batch = self._sample(request, None, check_failed, check_ready, wait_s)
         batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
     # -----------------------------------------------------------------------------------------------
+    def _columns(self, keys: object, derived: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The stored keys ``keys`` names plus ``valid`` (``derived``: names the sampler adds itself)."""
+        if keys is None:
+            return None
+        try:  # a request names the same keys batch after batch: resolve them once
+            cache_key = (tuple(keys) if isinstance(keys, list) else keys, derived)
+            columns = self._selections.get(cache_key)
+        except TypeError:  # an unhashable entry, which select_keys reports
+            cache_key, columns = None, None
+        if columns is None:
+            entries = [keys] if isinstance(keys, str) else keys
+            if derived and isinstance(entries, (list, tuple)):
+                entries = [key for key in entries if not (isinstance(key, str) and key in derived)]
+            columns = select_keys(self.gatherer.paths, entries)
+            if cache_key is not None:
+                if len(self._selections) > 64:
+                    self._selections.clear()
+                self._selections[cache_key] = columns
+        return columns
+
     def _rows_of(self, generations: np.ndarray | None) -> np.ndarray | None:
         """Bool mask of the rows holding one of ``generations`` now (``None``: every row)."""
         if generations is None:
@@ -136,18 +221,41 @@ class WindowSampler:
         changed = self.tables.views().version[selection.rows] != selection.versions
         return np.flatnonzero(stale | changed)
 
-    def _sample(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
+    def _sample(
+        self,
+        request: _Request,
+        out: TensorDict | None,
+        check_failed: Callable[[], None] | None,
+        check_ready: Callable[[], None] | None,
+        wait_s: float,
+    ) -> TensorDict:
+        try:
+            return self._try(request, out, check_failed)
+        except DataUnavailableError as error:
+            unavailable = error
+        retries = _Retries(self.tables.views().version, wait_s)
+        while retries.next_try(check_ready):
+            try:
+                return self._try(request, out, check_failed)
+            except DataUnavailableError as error:
+                unavailable = error
+            if retries.hopeless():
+                break
+        raise unavailable
+
+    def _try(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         if self.quota is not None:
             return self._sample_with_quota(request, out, check_failed)
+        columns = request.columns
         selection = self._select(request, request.batch_size)
-        batch = self.gatherer.gather(request.frames(selection), out)
+        batch = self.gatherer.gather(request.frames(selection), out, columns)
         for _ in range(_MAX_TORN_ROUNDS):
             torn = self._torn(selection, request.generations)
             if torn.size == 0:
                 return batch
             redo = self._select(request, torn.size)
-            scratch = self.gatherer.empty(torn.size, batch.batch_size[1])
-            redone = self.gatherer.gather(request.frames(redo), scratch)
+            scratch = self.gatherer.empty(torn.size, batch.batch_size[1], columns)
+            redone = self.gatherer.gather(request.frames(redo), scratch, columns)
             self.gatherer.replace_items(batch, torch.from_numpy(torn), redone)
             selection.replace(torn, redo)
         raise DataUnavailableError(
@@ -156,7 +264,7 @@ class WindowSampler:
 
     def _sample_with_quota(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         quota = self.quota
-        batch_size, chunk, mode, generator, generations, frames, unavailable = request
+        batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
         with held(quota.lock, check_failed):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
@@ -173,7 +281,7 @@ class WindowSampler:
                     )
                 rows = quota.draw_rows(candidates, batch_size, generator=generator).numpy()
                 selection = draw_starts(tables, rows, tables.version[rows], chunk, mode, generator)
-                batch = self.gatherer.gather(frames(selection), out)
+                batch = self.gatherer.gather(frames(selection), out, columns)
                 if self._torn(selection, generations).size:
                     continue
                 if check_failed is not None:
