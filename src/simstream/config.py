@@ -99,6 +99,10 @@ class OnlineDataEngineCfg:
     """Ordered action contract IDs (``policy_request`` only)."""
     shutdown_timeout: float = 5.0
     """Seconds ``stop()`` waits for a graceful worker exit before terminate/kill, in ``(0, 1e6]``."""
+    sample_wait_timeout: float = 60.0
+    """Seconds a ``sample_batch`` that finds no eligible window waits while producers are rewriting rows
+    that may hold one, in ``(0, 1e6]``; it checks the producers before every retry and gives up at once
+    when no rewrite can help. Raise it for sources whose rollout of one window takes longer."""
     num_workers: int = 1
     """Producer processes; each owns a disjoint range of rows and writes in parallel."""
     seed: int = 0
@@ -129,7 +133,7 @@ class OnlineDataEngineCfg:
             )
         if type(self.language_buffer_bytes) is not int or self.language_buffer_bytes < 1:
             raise ValueError("language_buffer_bytes must be a positive integer")
-        for name in ("initialization_timeout", "shutdown_timeout"):
+        for name in ("initialization_timeout", "shutdown_timeout", "sample_wait_timeout"):
             value = getattr(self, name)
             if not _finite_positive(value):
                 raise ValueError(f"{name} must be finite and greater than zero, got {value}.")
