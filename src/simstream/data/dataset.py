@@ -14,7 +14,7 @@ new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineD
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..errors import DataBudgetExhaustedError
 from ..sampling.gather import BatchLayout
+from ..sampling.keys import select_keys
 from .chunk_sizes import ChunkSizeSampler
 from .loader_context import loader_context
 from .worker_slots import worker_batch, worker_slots
@@ -52,6 +53,8 @@ class OnlineDataset(IterableDataset):
         worker_slots: Output slots per ``DataLoader`` worker, reused once the trainer process holds no
             reference to a batch (0: a fresh shared-memory batch each time). A batch the trainer forwards
             to another process must be cloned first when slots are on.
+        keys: Copy only these keys (plus ``valid``), as ``OnlineDataEngine.sample_batch(keys=...)`` does;
+            ``None``: every key. Checked here, against the engine's buffer.
 
     Examples:
         >>> dataset = OnlineDataset(engine, chunk_size=16, batch_size=64)  # doctest: +SKIP
@@ -69,6 +72,7 @@ class OnlineDataset(IterableDataset):
         seed: int | None = None,
         item_block: int = 32,
         worker_slots: int = 6,
+        keys: str | Sequence[str | tuple[str, ...]] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, ChunkSizeSampler)):
@@ -95,6 +99,8 @@ class OnlineDataset(IterableDataset):
         self.seed = seed
         self.item_block = item_block
         self.worker_slots = worker_slots
+        self.keys = keys
+        self._paths = None if keys is None else _selected_paths(engine.shared_buffer, keys)
 
     def _draw_chunk_size(self) -> int:
         if isinstance(self.chunk_size, ChunkSizeSampler):
@@ -132,22 +138,27 @@ class OnlineDataset(IterableDataset):
             if in_worker:
                 layout = layouts.get(chunk)
                 if layout is None:
-                    shape = (self.batch_size, chunk)
-                    layout = layouts[chunk] = BatchLayout.of(self.engine.shared_buffer, shape)
+                    layout = layouts[chunk] = BatchLayout.of(self._template(), (self.batch_size, chunk))
                 out = worker_batch(layout)
             batch = self.engine.sample_batch(
-                self.batch_size, chunk, self.sampling_mode, generator=generator, out=out
+                self.batch_size, chunk, self.sampling_mode, generator=generator, out=out, keys=self.keys
             )
             yield self._apply(batch)
 
+    def _template(self) -> TensorDict:
+        """The engine's buffer restricted to the copied keys (what a batch's layout follows)."""
+        buffer = self.engine.shared_buffer
+        return buffer if self._paths is None else buffer.select(*self._paths)
+
     def _block(self, chunk: int, generator: torch.Generator) -> TensorDict:
+        sample, mode, keys = self.engine.sample_batch, self.sampling_mode, self.keys
         try:
-            return self.engine.sample_batch(self.item_block, chunk, self.sampling_mode, generator=generator)
+            return sample(self.item_block, chunk, mode, generator=generator, keys=keys)
         except DataBudgetExhaustedError:
             if self.item_block == 1:
                 raise
             # Quotas nearly spent: fall back to single chunks rather than failing early.
-            return self.engine.sample_batch(1, chunk, self.sampling_mode, generator=generator)
+            return sample(1, chunk, mode, generator=generator, keys=keys)
 
     def _apply(self, data: TensorDict) -> object:
         return data if self.transform is None else self.transform(data)
@@ -203,3 +214,9 @@ class OnlineDataset(IterableDataset):
     def passthrough_collate_fn(batch: TensorDict) -> TensorDict:
         """Batch mode: the dataset already yields whole batches."""
         return batch
+
+
+def _selected_paths(buffer: TensorDict, keys: object) -> list[tuple[str, ...]]:
+    """The stored paths ``keys`` selects in ``buffer`` (plus ``valid``); raises as ``select_keys`` does."""
+    paths = tuple(k if type(k) is tuple else (k,) for k in buffer.keys(include_nested=True, leaves_only=True))
+    return [paths[i] for i in select_keys(paths, keys)]
