@@ -27,6 +27,7 @@ from simstream import OnlineDataEngine, OnlineDataEngineCfg
 from simstream.synthetic import SyntheticSpec
 
 __all__ = [
+    "CamerasSpec",
     "ContinuousPublication",
     "RawGather",
     "Workload",
@@ -68,15 +69,64 @@ def synthetic_spec(workload: Workload, num_envs: int = 16, fixed_length: bool = 
     )
 
 
+@dataclass(frozen=True)
+class CamerasSpec:
+    """The synthetic source with more cameras: ``obs/<name>`` u8[3, S, S] per extra name, each a copy of
+    ``obs/image`` (``base.image_size`` must be set). For the ``keys=`` benchmark: one camera of three."""
+
+    base: SyntheticSpec
+    extra: tuple[str, ...] = ("wrist_image", "side_image")
+
+    @property
+    def num_envs(self) -> int:
+        return self.base.num_envs
+
+    @property
+    def max_episode_steps(self) -> int:
+        return self.base.max_episode_steps
+
+    def fields(self):
+        fields = dict(self.base.fields())
+        for name in self.extra:
+            fields[f"obs/{name}"] = fields["obs/image"]
+        return fields
+
+    def build(self, worker_index: int, seed: int) -> _CamerasSource:
+        return _CamerasSource(self.base.build(worker_index, seed), self.extra)
+
+
+class _CamerasSource:
+    def __init__(self, inner, extra: tuple[str, ...]) -> None:
+        self.inner, self.extra = inner, extra
+
+    def rollout(self, rows, *, attempt: int, should_stop):
+        episodes = self.inner.rollout(rows, attempt=attempt, should_stop=should_stop)
+        for row, episode in enumerate(episodes or ()):
+            for name in self.extra:
+                rows["obs", name][row, : episode.length] = rows["obs", "image"][row, : episode.length]
+        return episodes
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def make_engine(
-    workload: Workload, *, num_envs: int = 16, fixed_length: bool = True, **cfg_overrides
+    workload: Workload,
+    *,
+    num_envs: int = 16,
+    fixed_length: bool = True,
+    extra_cameras: tuple[str, ...] = (),
+    **cfg_overrides,
 ) -> OnlineDataEngine:
     """A started engine on the synthetic source; by default episodes fill whole rows (length ``T``).
 
     Fixed-length episodes make every frame of the buffer valid, so TorchRL's trajectory-id slices and the
-    engine's eligible windows cover exactly the same frames.
+    engine's eligible windows cover exactly the same frames. ``extra_cameras`` adds image fields
+    ``obs/<name>`` beside ``obs/image`` (:class:`CamerasSpec`).
     """
     spec = synthetic_spec(workload, num_envs, fixed_length)
+    if extra_cameras:
+        spec = CamerasSpec(spec, extra_cameras)
     values = {
         "source": spec,
         "buffer_size": workload.buffer_size,

@@ -6,7 +6,8 @@ same run, on the same shared memory, in interleaved rounds (median of rounds).
 
 Sections: idle throughput without and with images (``sample_batch``, ``OnlineDataset`` item and batch
 mode with 0 and 2 ``DataLoader`` workers, TorchRL ``SliceSampler``, raw gather); the same while producers
-publish back to back; latency percentiles idle and under publication; per-batch cost against buffer size.
+publish back to back; latency percentiles idle and under publication; per-batch cost against buffer size;
+``sample_batch(keys=...)`` with one camera of three against every key (bytes and batches/s).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ from _workload import (
 from simstream.data import OnlineDataset, loader_context
 from simstream.sampling.gather import BatchLayout
 
-Section = Literal["lowdim", "images", "publication", "latency", "scaling"]
-ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency", "scaling")
+Section = Literal["lowdim", "images", "publication", "latency", "scaling", "keys"]
+ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency", "scaling", "keys")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Args:
     """Buffer sizes of the scaling section (low-dim)."""
     loader_workers: int = 2
     """``DataLoader`` workers of the multi-worker rows."""
+    keys_buffer_size: int = 32
+    """Episodes in the buffer of the ``keys`` section (three 64x64 cameras: 36 KiB per frame)."""
+    keys_batch_size: int = 64
+    """Chunks per batch in the ``keys`` section."""
 
     def round_seconds(self, workload: Workload) -> float:
         """Time per candidate per round: image batches are ~30x slower, so they get twice as long."""
@@ -95,6 +100,8 @@ class Args:
             rounds=1,
             seconds=0.03,
             scaling_sizes=(16, 48),
+            keys_buffer_size=8,
+            keys_batch_size=8,
         )
 
 
@@ -551,6 +558,53 @@ def scaling_section(args: Args, workload: Workload) -> None:
         )
 
 
+KEY_SETS: dict[str, list[str] | None] = {
+    "every key (keys=None)": None,
+    "one camera + obs/state + actions": ["obs/image", "obs/state", "actions"],
+    "one camera (keys=['obs/image'])": ["obs/image"],
+}
+"""``keys=`` of the ``keys`` section's candidates; ``valid`` is always copied too."""
+
+
+def keys_section(args: Args, base: Workload) -> None:
+    """``sample_batch(keys=...)``: bytes and batches/s with every key and with one camera of three."""
+    workload = replace(
+        base, buffer_size=args.keys_buffer_size, batch_size=args.keys_batch_size, image_size=args.image_size
+    )
+    engine = make_engine(workload, extra_cameras=("wrist_image", "side_image"))
+    try:
+        b, c = workload.batch_size, workload.chunk_size
+        generator = torch.Generator().manual_seed(0)
+        candidates, nbytes = {}, {}
+        for label, keys in KEY_SETS.items():
+            batch = engine.sample_batch(b, c, generator=generator, keys=keys)
+            nbytes[label] = sum(leaf.nbytes for leaf in batch.values(include_nested=True, leaves_only=True))
+            del batch  # the batch's arena goes back to the pool
+
+            def sample(keys=keys) -> None:
+                engine.sample_batch(b, c, generator=generator, keys=keys)
+
+            candidates[label] = sample
+        rates = interleaved_rates(candidates, args.rounds, args.round_seconds(workload))
+    finally:
+        engine.stop()
+    table = Table(
+        f"sample_batch(keys=...): {workload.describe()}, cameras obs/image, obs/wrist_image, obs/side_image",
+        ["keys", "MiB/batch", "batches/s", "ms/batch", "GB/s", "x every key (batches/s)"],
+    )
+    every = rates.median("every key (keys=None)")
+    for label in KEY_SETS:
+        rate = rates.median(label)
+        table.row(
+            label, nbytes[label] / 2**20, rate, 1e3 / rate, rate * nbytes[label] / 1e9, ratio(rate, every)
+        )
+    one = "one camera (keys=['obs/image'])"
+    print(
+        f"\nOne camera of three copies {nbytes[one] / nbytes['every key (keys=None)']:.0%} of the bytes of "
+        f"every key and runs {ratio(rates.median(one), every):.2f}x as many batches per second."
+    )
+
+
 def run(args: Args) -> int:
     _set_single_thread()
     args = args.effective()
@@ -580,6 +634,8 @@ def run(args: Args) -> int:
             engine.stop()
     if "scaling" in args.sections:
         scaling_section(args, base)
+    if "keys" in args.sections:
+        keys_section(args, base)
     return 0
 
 

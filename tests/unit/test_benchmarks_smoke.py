@@ -66,11 +66,13 @@ def test_sampling_quick_prints_every_table(quick_runs):
         "### Latency of sample_batch, low-dim",
         "### Cost against buffer size",
         "### Cost against buffer size: targets",
+        "### sample_batch(keys=...)",
     ):
         assert heading in output, heading
     for row in (
         "| sample_batch |",
         "| sample_batch(out=) |",
+        "| one camera (keys=['obs/image']) |",
         "| raw gather (same keys) |",
         "| OnlineDataset batch mode, 0 workers |",
         "| OnlineDataset item mode, 2 workers |",
