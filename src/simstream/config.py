@@ -23,6 +23,13 @@ __all__ = ["METADATA_KEYS", "PROVENANCE_KEYS", "OnlineDataEngineCfg", "SourceLay
 INT64_MAX = 2**63 - 1
 MAX_TIMEOUT_S = 1e6
 """Longest accepted timeout: process joins wait with ``poll(2)``, whose millisecond argument is an int32."""
+MAX_ROWS = 2**31 - 1
+"""Largest ``buffer_size`` and row capacity T: run tables hold frame positions as int32, and with both
+bounded every flat frame index ``row * T + t`` fits an int64."""
+MAX_LANGUAGE_BYTES = 2**31 - 1
+"""Largest ``language_buffer_bytes``: every process that resolves text parses the registry in full."""
+MAX_EVENT_RECORDS = 2**31 - 1
+"""Largest ``lifecycle_event_capacity``."""
 
 METADATA_KEYS: dict[str, torch.dtype] = {
     "valid": torch.bool,
@@ -68,7 +75,8 @@ class OnlineDataEngineCfg:
     source: SourceSpec | None = None
     """Picklable episode-source spec; every producer worker builds its own source from it."""
     buffer_size: int = 16
-    """Episode rows (slots) in the shared buffer; at least ``num_workers * source.num_envs``."""
+    """Episode rows (slots) in the shared buffer; at least ``num_workers * source.num_envs``, at most
+    ``2**31 - 1``, and the whole buffer must fit the free space of ``/dev/shm``."""
     max_episode_steps: int | None = None
     """Row capacity T; ``None`` takes the source's. When set it must equal the source's value."""
     buffer_device: str = "cpu"
@@ -80,7 +88,7 @@ class OnlineDataEngineCfg:
     initialization_timeout: float = 300.0
     """Seconds ``start()`` waits for the first complete generation, in ``(0, 1e6]``."""
     language_buffer_bytes: int = 1048576
-    """Capacity (UTF-8 bytes) of the append-only shared language registry."""
+    """Capacity (UTF-8 bytes) of the append-only shared language registry, in ``[1, 2**31 - 1]``."""
     action_dim: int | None = None
     """Expected width of the source's ``actions`` field; ``None`` skips the check."""
     refill_policy: Literal["sample_threshold", "manual"] = "sample_threshold"
@@ -92,7 +100,8 @@ class OnlineDataEngineCfg:
     episode_sample_hard_limit: int | None = None
     """Ceiling for the budget, enforced at every debit."""
     lifecycle_event_capacity: int = 0
-    """Records in the bounded ``published``/``evicted`` log; 0 disables it."""
+    """Records in the bounded ``published``/``evicted`` log; 0 disables it, else in
+    ``[2 * buffer_size, 2**31 - 1]``."""
     action_semantics: Literal["expert_controller_command", "policy_request"] = "expert_controller_command"
     """Meaning of the stored actions."""
     action_contracts: tuple[str, ...] | None = None
@@ -107,6 +116,12 @@ class OnlineDataEngineCfg:
     """Producer processes; each owns a disjoint range of rows and writes in parallel."""
     seed: int = 0
     """Base seed; worker ``i`` builds its source with a seed derived from ``(seed, i)``."""
+    check_unwritten_frames: bool = True
+    """Fail the engine with a ``ValueError`` naming row, key and frame when a source reports ``length``
+    frames but a float payload still holds NaN (the unwritten value) in ``[0, length)``, instead of
+    publishing them as valid. Costs a NaN fill of the float payload when rows are claimed (so a frame left
+    unwritten is NaN even in a reused row) and one ``isnan`` pass over each episode's reported float frames
+    (BENCHMARKS.md); turn it off only for sources whose data may legitimately hold NaN."""
 
     def validate(self) -> SourceLayout:
         """Check every field, in the reference engine's order, then the source.
@@ -124,15 +139,28 @@ class OnlineDataEngineCfg:
         if self.action_dim is not None and (type(self.action_dim) is not int or self.action_dim < 1):
             raise ValueError("action_dim must be a positive integer or None")
         require_int("OnlineDataEngineCfg", "buffer_size", self.buffer_size, 1)
+        _require_at_most("buffer_size", self.buffer_size, MAX_ROWS, f"an int in [1, {MAX_ROWS}]")
         capacity = self.lifecycle_event_capacity
         if type(capacity) is not int or (capacity != 0 and capacity < 2 * self.buffer_size):
             raise ValueError("lifecycle_event_capacity must be zero or at least 2 * buffer_size")
+        _require_at_most(
+            "lifecycle_event_capacity",
+            capacity,
+            MAX_EVENT_RECORDS,
+            f"0 or an int in [2 * buffer_size = {2 * self.buffer_size}, {MAX_EVENT_RECORDS}]",
+        )
         if type(self.max_generation_attempts) is not int or self.max_generation_attempts < 1:
             raise ValueError(
                 f"max_generation_attempts must be at least 1, got {self.max_generation_attempts}."
             )
         if type(self.language_buffer_bytes) is not int or self.language_buffer_bytes < 1:
             raise ValueError("language_buffer_bytes must be a positive integer")
+        _require_at_most(
+            "language_buffer_bytes",
+            self.language_buffer_bytes,
+            MAX_LANGUAGE_BYTES,
+            f"an int in [1, {MAX_LANGUAGE_BYTES}]",
+        )
         for name in ("initialization_timeout", "shutdown_timeout", "sample_wait_timeout"):
             value = getattr(self, name)
             if not _finite_positive(value):
@@ -144,10 +172,9 @@ class OnlineDataEngineCfg:
         require_int("OnlineDataEngineCfg", "refill_threshold", self.refill_threshold, 0)
         require_int("OnlineDataEngineCfg", "num_workers", self.num_workers, 1)
         require_int("OnlineDataEngineCfg", "seed", self.seed, 0, INT64_MAX)
-        if type(self.include_provenance) is not bool:
-            raise ValueError(
-                f"OnlineDataEngineCfg.include_provenance must be a bool, got {self.include_provenance!r}"
-            )
+        for name in ("include_provenance", "check_unwritten_frames"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"OnlineDataEngineCfg.{name} must be a bool, got {getattr(self, name)!r}")
         if str(self.buffer_device) != "cpu":
             raise ValueError(
                 "OnlineDataEngineCfg.buffer_device must be 'cpu' (the buffer lives in CPU shared memory), "
@@ -221,7 +248,7 @@ class OnlineDataEngineCfg:
             )
         num_envs, steps = source.num_envs, source.max_episode_steps
         require_int("OnlineDataEngineCfg", "source.num_envs", num_envs, 1)
-        require_int("OnlineDataEngineCfg", "source.max_episode_steps", steps, 1)
+        require_int("OnlineDataEngineCfg", "source.max_episode_steps", steps, 1, MAX_ROWS)
         if self.max_episode_steps is not None and self.max_episode_steps != steps:
             raise ValueError(
                 f"OnlineDataEngineCfg.max_episode_steps must be None or equal the source's "
@@ -291,6 +318,12 @@ def _validate_fields(fields: dict[str, Field]) -> None:
                     f"SourceSpec field {'/'.join(parts[:cut])!r} is both a leaf and the parent of "
                     f"{'/'.join(parts)!r}"
                 )
+
+
+def _require_at_most(name: str, value: int, high: int, accepted: str) -> None:
+    """The upper bound of a size field whose type and lower bound were checked (reference messages)."""
+    if value > high:
+        raise ValueError(f"OnlineDataEngineCfg.{name} must be {accepted}, got {value!r}")
 
 
 def _finite_positive(value: object) -> bool:

@@ -40,7 +40,12 @@ class Field:
 
 @dataclass(frozen=True)
 class Segment:
-    """A semantic sub-task inside one episode: frames ``[start, end)``."""
+    """A semantic sub-task inside one episode: frames ``[start, end)``, ``0 <= start <= end <= length``.
+
+    An empty segment (``start == end``) is skipped: it covers no frame and its text is never interned. Frames
+    get the segment's position in ``Episode.segments`` as ``segment_id``, so a segment after a skipped one
+    keeps its own position (the reference numbers semantic segments the same way).
+    """
 
     start: int
     """First frame, inclusive."""
@@ -131,8 +136,11 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
 
     Raises:
         ValueError: naming the row and the rule it breaks: wrong count, length outside ``[0, T]``,
-            segments out of range, empty, unordered or overlapping, or a continuity list of the wrong
-            length or with ids below ``-1``.
+            segments outside ``0 <= start <= end <= length``, non-empty segments unordered or
+            overlapping, or a continuity list of the wrong length or with ids below ``-1``.
+
+    Empty segments (``start == end``) are accepted, as the reference engine accepts them, and skipped:
+    they cover no frame, take no part in the order and overlap checks, and their text is never interned.
     """
     if isinstance(episodes, (str, bytes)) or not isinstance(episodes, Sequence):
         raise ValueError(
@@ -157,18 +165,20 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
             if not isinstance(segment, Segment):
                 raise ValueError(f"Episode.segments[{k}] of row {row} must be a Segment")
             start, end = segment.start, segment.end
-            if not (_exact_int(start) and _exact_int(end) and 0 <= start < end <= length):
+            if not (_exact_int(start) and _exact_int(end) and 0 <= start <= end <= length):
                 raise ValueError(
                     f"Segment [{start}, {end}) of row {row} is outside the row: segments must satisfy "
-                    f"0 <= start < end <= length={length}"
+                    f"0 <= start <= end <= length={length}"
                 )
+            if segment.instruction is not None and not isinstance(segment.instruction, str):
+                raise ValueError(f"Segment.instruction of row {row} must be str or None")
+            if start == end:
+                continue  # empty: covers no frame, so it can neither overlap nor break the order
             if start < previous_end:
                 raise ValueError(
                     f"Segments of row {row} overlap or are out of order at segment {k} "
                     f"[{start}, {end}); segments must be sorted and disjoint"
                 )
-            if segment.instruction is not None and not isinstance(segment.instruction, str):
-                raise ValueError(f"Segment.instruction of row {row} must be str or None")
             previous_end = end
         if episode.continuity is not None:
             continuity = list(episode.continuity)

@@ -51,7 +51,8 @@ class ScriptedSpec:
     fail_attempts: int = 0
     """The first N attempts of every window report a failed episode."""
     fault: str | None = None
-    """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise."""
+    """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise,
+    unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten)."""
     fault_after: int = 0
     """Rollouts that succeed before the fault fires (per worker)."""
     fault_worker: int = 0
@@ -106,14 +107,18 @@ class ScriptedSource:
         self._fault(should_stop)
         spec = self.spec
         episodes = []
-        for row in range(rows.batch_size[0]):
+        num_rows = rows.batch_size[0]
+        unwritten = spec.fault == "unwritten" and self.worker == spec.fault_worker
+        unwritten = unwritten and self.rollouts >= spec.fault_after
+        for row in range(num_rows):
             length = spec.lengths[self.rows_written % len(spec.lengths)]
             tag = float(self.worker * 1_000_000 + self.rows_written * 10 + attempt)
             t = torch.arange(length, dtype=torch.float32)
             rows["obs"][row, :length, 0] = tag
             rows["obs"][row, :length, 1] = t
             rows["obs"][row, :length, 2] = float(self.worker)
-            rows["actions"][row, :length] = tag
+            last_written = length - 3 if unwritten and row == num_rows - 1 else length
+            rows["actions"][row, :last_written] = tag
             rows["rewards"][row, :length] = t
             if spec.image:
                 rows["obs_image", "rgb"][row, :length] = (self.rows_written % 250) + 1

@@ -51,6 +51,27 @@ def _cfg(**overrides) -> OnlineDataEngineCfg:
         ({"shutdown_timeout": 1e7}, r"shutdown_timeout must be at most 1e\+06 seconds \(about 11 days\)"),
         ({"initialization_timeout": 2e6}, r"initialization_timeout must be at most 1e\+06 seconds"),
         ({"buffer_size": 0}, r"OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
+        # huge sizes fail naming the field, not in torch's allocator (2**40) or with a TypeError (2**63)
+        (
+            {"buffer_size": 2**40},
+            r"OnlineDataEngineCfg.buffer_size must be an int in \[1, 2147483647\], got 1099511627776",
+        ),
+        ({"buffer_size": 2**63}, r"OnlineDataEngineCfg.buffer_size must be an int in \[1, 2147483647\]"),
+        (
+            {"language_buffer_bytes": 2**31},
+            r"OnlineDataEngineCfg.language_buffer_bytes must be an int in \[1, 2147483647\], got 2147483648",
+        ),
+        (
+            {"lifecycle_event_capacity": 2**31},
+            r"OnlineDataEngineCfg.lifecycle_event_capacity must be 0 or an int in \[2 \* buffer_size = 8, "
+            r"2147483647\], got 2147483648",
+        ),
+        (
+            {"source": ScriptedSpec(max_episode_steps=2**31)},
+            r"OnlineDataEngineCfg.source.max_episode_steps must be an int in \[1, 2147483647\], "
+            r"got 2147483648",
+        ),
+        ({"check_unwritten_frames": 1}, "OnlineDataEngineCfg.check_unwritten_frames must be a bool, got 1"),
         ({"num_workers": 0}, r"OnlineDataEngineCfg.num_workers must be an int >= 1, got 0"),
         ({"refill_threshold": -1}, r"OnlineDataEngineCfg.refill_threshold must be an int >= 0, got -1"),
         ({"buffer_device": "cuda"}, "OnlineDataEngineCfg.buffer_device must be 'cpu'"),
@@ -132,3 +153,38 @@ def test_validation_accepts_exactly_the_documented_ranges(buffer_size, workers, 
     else:
         with pytest.raises(ValueError):
             cfg.validate()
+
+
+_MAX = 2**31 - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    buffer_size=st.one_of(st.integers(2, 64), st.integers(_MAX - 2, _MAX + 2), st.integers(2**62, 2**64)),
+    language=st.one_of(st.integers(-1, 64), st.integers(_MAX - 2, _MAX + 2), st.integers(2**62, 2**64)),
+    events=st.one_of(
+        st.just(0), st.integers(1, 200), st.integers(_MAX - 2, _MAX + 2), st.integers(2**62, 2**64)
+    ),
+)
+def test_size_fields_are_bounded_with_a_message_naming_field_and_range(buffer_size, language, events):
+    cfg = _cfg(buffer_size=buffer_size, language_buffer_bytes=language, lifecycle_event_capacity=events)
+    problems = []
+    if buffer_size > _MAX:
+        problems.append(rf"buffer_size must be an int in \[1, {_MAX}\], got {buffer_size}")
+    elif events != 0 and events < 2 * buffer_size:
+        problems.append("lifecycle_event_capacity must be zero or at least 2 \\* buffer_size")
+    elif events > _MAX:
+        problems.append(
+            rf"lifecycle_event_capacity must be 0 or an int in \[2 \* buffer_size = {2 * buffer_size}"
+        )
+    elif language < 1:
+        problems.append("language_buffer_bytes must be a positive integer")
+    elif language > _MAX:
+        problems.append(rf"language_buffer_bytes must be an int in \[1, {_MAX}\], got {language}")
+    elif events and events < cfg.initial_fill_records(2):
+        problems.append("lifecycle_event_capacity cannot hold initial-fill events")
+    if problems:
+        with pytest.raises(ValueError, match=problems[0]):
+            cfg.validate()
+    else:
+        assert cfg.validate().max_episode_steps == 20

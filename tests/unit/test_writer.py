@@ -5,17 +5,23 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simstream import Episode, Segment
+from simstream import Episode, Field, Segment
 from simstream.buffer.index import compute_row_tables, segment_row_tables
+from simstream.buffer.storage import TrajectoryStorage
+from simstream.buffer.writer import EpisodeWriter
+from simstream.config import SourceLayout
+from simstream.sources import validate_episodes
 from tests.support.harness import Harness
 
 
 def test_claim_resets_metadata_and_write_poisons_only_past_the_end():
     harness = Harness(rows=2, steps=16)
+    harness.writer.check_unwritten_frames = False
     harness.publish(0, Episode(length=16))
     obs = harness.storage.rows_view()["obs"]
     before = obs[0].clone()
@@ -33,6 +39,21 @@ def test_claim_resets_metadata_and_write_poisons_only_past_the_end():
     assert bool(obs[1].isnan().all())  # a row nobody wrote stays unwritten
 
 
+def test_with_the_check_claim_and_each_retry_poison_the_float_payload_only():
+    layout = SourceLayout(1, 4, {"obs": Field((2,)), "image": Field((3,), torch.uint8)})
+    storage = TrajectoryStorage(layout, 2, include_provenance=False)
+    harness = Harness(rows=2, steps=4)
+    writer = EpisodeWriter(storage, harness.index, harness.language, run_id=0)
+    rows = storage.rows_view()
+    rows["obs"][:], rows["image"][:] = 1.0, 7
+    writer.claim(0, 1)
+    assert bool(rows["obs"][0].isnan().all()) and bool((rows["obs"][1] == 1.0).all())  # only the claimed row
+    assert bool((rows["image"] == 7).all())  # images cross the memory bus once per episode, not twice
+    rows["obs"][0] = 2.0  # a failed attempt's frames
+    writer.reset_metadata(0, 1)  # before the next attempt
+    assert bool(rows["obs"][0].isnan().all())
+
+
 def test_a_full_length_episode_is_not_poisoned():
     harness = Harness(rows=1, steps=8)
     harness.publish(0, Episode(length=8))
@@ -41,7 +62,8 @@ def test_a_full_length_episode_is_not_poisoned():
 
 @st.composite
 def _segment_layouts(draw) -> tuple[int, list[tuple[int, int, bool]]]:
-    """A row length and sorted, disjoint, non-empty segments inside it, with gaps or touching."""
+    """A row length and segments as ``validate_episodes`` accepts them: sorted, disjoint, non-empty ones
+    with gaps or touching, and empty ones anywhere in the list at any frame in ``[0, length]``."""
     length = draw(st.integers(0, 40))
     cuts = sorted(draw(st.sets(st.integers(0, length), max_size=10)))
     segments = [
@@ -49,15 +71,20 @@ def _segment_layouts(draw) -> tuple[int, list[tuple[int, int, bool]]]:
         for lo, hi in itertools.pairwise(cuts)
         if draw(st.booleans())  # drop some: gaps between segments
     ]
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, length))
+        segments.insert(draw(st.integers(0, len(segments))), (at, at, draw(st.booleans())))
     return length, segments
 
 
 @given(_segment_layouts())
 def test_segment_tables_equal_the_tables_scanned_from_metadata(layout):
     length, segments = layout
+    episode = Episode(length, segments=[Segment(lo, hi, None, ok) for lo, hi, ok in segments])
+    assert validate_episodes([episode], 1, 40) == [episode]
     segment_id = np.full(length, -1, dtype=np.int64)
     accepted = np.zeros(length, dtype=bool)
-    for k, (lo, hi, ok) in enumerate(segments):
+    for k, (lo, hi, ok) in enumerate(segments):  # ids are list positions; an empty segment marks no frame
         segment_id[lo:hi], accepted[lo:hi] = k, ok
     scanned = compute_row_tables(np.zeros(length, dtype=np.int64), segment_id, accepted)
     derived = segment_row_tables(length, segments)
@@ -92,3 +119,64 @@ def test_step_counters_of_an_episode_longer_than_the_cached_steps():
     steps = torch.arange(5000)
     assert torch.equal(harness.storage.metadata("episode_step")[0], steps)
     assert torch.equal(harness.storage.metadata("segment_step")[0], torch.cat([steps[:4500], steps[:500]]))
+
+
+def test_an_empty_segment_marks_no_frame_keeps_its_id_and_never_interns_its_text():
+    harness = Harness(rows=1, steps=12)
+    segments = [Segment(0, 4, "reach"), Segment(4, 4, "never said"), Segment(4, 9, "grasp"), Segment(12, 12)]
+    harness.publish(0, Episode(length=12, instruction="pick", segments=segments))
+    segment_id = harness.storage.metadata("segment_id")[0]
+    assert segment_id.tolist() == [0] * 4 + [2] * 5 + [-1] * 3  # ids are positions in Episode.segments
+    starts, ends = harness.storage.metadata("segment_start")[0], harness.storage.metadata("segment_end")[0]
+    assert torch.nonzero(starts).flatten().tolist() == [0, 4]
+    assert torch.nonzero(ends).flatten().tolist() == [3, 8]
+    subtasks = harness.language.resolve(harness.storage.metadata("subtask_index")[0], kind="subtask")
+    assert subtasks == ["reach"] * 4 + ["grasp"] * 5 + ["pick"] * 3
+    assert harness.language.count("subtask") == 3  # "never said" took no registry space
+    assert int(harness.index.num_points[0]) == 1  # the change from id 0 to id 2 at frame 4 is a boundary
+    assert harness.index.point[:, 0, 0].tolist() == [4, 0, 9]
+
+
+def test_a_reported_frame_left_unwritten_is_rejected_naming_row_key_and_frame():
+    harness = Harness(rows=3, steps=16)
+    harness.writer.claim(1, 3)
+    view = harness.storage.rows_view(1, 3, payload_only=True)
+    view["obs"][:, :10] = 1.0
+    view["actions"][:, :10] = 1.0
+    view["actions"][1, 6:10] = float("nan")  # row 2 (offset 1) leaves frames 6.. of "actions" unwritten
+    with pytest.raises(
+        ValueError,
+        match=r"Episode of buffer row 2 \(row 1 of the rollout\) reports length=10 but its payload 'actions' "
+        r"holds NaN, the value of unwritten frames, first at frame 6: .*check_unwritten_frames=False",
+    ):
+        harness.writer.write(1, [Episode(10), Episode(10)], attempt=0)
+    # nothing of the window was written: metadata unwritten, no run tables, rows still claimed (odd)
+    assert not bool(harness.storage.metadata("valid")[1:3].any())
+    assert harness.index.num_runs[:, 1:3].tolist() == [[0, 0], [0, 0]]
+    assert harness.index.version[1:3].tolist() == [1, 1]
+
+
+def test_nan_past_the_reported_length_and_in_non_float_keys_is_not_checked():
+    layout = SourceLayout(
+        1, 8, {"obs": Field((2,)), "count": Field((), torch.int64), "half": Field((), torch.bfloat16)}
+    )
+    storage = TrajectoryStorage(layout, 2, include_provenance=False)
+    writer = EpisodeWriter(storage, Harness(rows=2, steps=8).index, Harness().language, run_id=0)
+    view = storage.rows_view(0, 2, payload_only=True)
+    view["obs"][:, :5] = 0.0
+    view["half"][:, :5] = 0.0
+    writer.write(0, [Episode(5), Episode(0)], attempt=0)  # frames 5.. and all of row 1 hold NaN: not reported
+    view["half"][0, 3] = float("nan")  # bfloat16 (no NumPy dtype) is checked through torch
+    with pytest.raises(ValueError, match=r"buffer row 0 .* payload 'half' holds NaN.*first at frame 3"):
+        writer.write(0, [Episode(5), Episode(0)], attempt=0)
+
+
+def test_the_check_can_be_turned_off_for_sources_whose_data_holds_nan():
+    harness = Harness(rows=1, steps=8)
+    harness.writer = EpisodeWriter(
+        harness.storage, harness.index, harness.language, run_id=0, check_unwritten_frames=False
+    )
+    harness.writer.claim(0, 1)
+    harness.storage.rows_view(0, 1, payload_only=True)["actions"][0, :8] = 1.0  # "obs" stays NaN
+    harness.writer.write(0, [Episode(8)], attempt=0)
+    assert bool(harness.storage.metadata("valid")[0].all())

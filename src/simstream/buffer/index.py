@@ -74,13 +74,15 @@ def compute_row_tables(continuity: np.ndarray, segment_id: np.ndarray, accepted:
 def segment_row_tables(length: int, segments: Sequence[tuple[int, int, bool]]) -> RowTables:
     """The tables :func:`compute_row_tables` gives a row without continuity breaks, from its segments.
 
-    ``segments`` are ``(start, end, accepted)``, sorted, disjoint and non-empty inside ``[0, length)`` (what
-    ``validate_episodes`` enforces). With one continuity region the runs follow from the segment list
-    alone: the row's whole length, each accepted segment, and the change points between touching accepted
-    segments. A producer then skips scanning the row's metadata (several times faster per episode).
+    ``segments`` are ``(start, end, accepted)`` inside ``[0, length]``, the non-empty ones sorted and
+    disjoint (what ``validate_episodes`` enforces); empty ones cover no frame and are skipped. With one
+    continuity region the runs follow from the segment list alone: the row's whole length, each accepted
+    segment, and the change points between touching accepted segments (touching across a skipped empty
+    one too: the segment id still changes there). A producer then skips scanning the row's metadata
+    (several times faster per episode).
     """
     episode = np.array([[0, length]] if length else [], dtype=np.int64).reshape(-1, 2)
-    accepted = [(start, end) for start, end, ok in segments if ok]
+    accepted = [(start, end) for start, end, ok in segments if ok and start < end]
     segment = np.array(accepted, dtype=np.int64).reshape(-1, 2)
     touching: list[list[tuple[int, int]]] = []  # accepted segments grouped into accepted runs
     for start, end in accepted:
@@ -116,6 +118,14 @@ class EligibilityIndex:
         self.num_points = torch.zeros(rows, dtype=torch.int32).share_memory_()
         self.longest_point_run = torch.zeros(rows, dtype=torch.int32).share_memory_()
         self._arrays: dict[str, np.ndarray] | None = None
+
+    @staticmethod
+    def shared_bytes(buffer_size: int, max_steps: int) -> int:
+        """Bytes of shared memory :meth:`__init__` allocates (exact Python ints: no overflow)."""
+        per_row_int64 = 4  # version, generation, episode_id, valid_frames
+        per_row_int32 = 2 * 2 + 2  # num_runs and longest_run per mode; num_points, longest_point_run
+        per_frame_int32 = 2 * 2 + 3  # run_lo and run_hi per mode; point (p, s, e)
+        return buffer_size * (8 * per_row_int64 + 4 * per_row_int32 + 4 * per_frame_int32 * max_steps)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

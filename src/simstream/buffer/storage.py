@@ -61,14 +61,7 @@ class TrajectoryStorage:
     def __init__(self, layout: SourceLayout, buffer_size: int, include_provenance: bool) -> None:
         self.buffer_size = buffer_size
         self.max_steps = layout.max_episode_steps
-        specs = [
-            KeySpec(tuple(name.split("/")), f.dtype, tuple(f.shape), True)
-            for name, f in layout.fields.items()
-        ]
-        specs += [KeySpec((name,), dtype, (), False) for name, dtype in METADATA_KEYS.items()]
-        if include_provenance:
-            specs += [KeySpec((name,), torch.int64, (), False) for name in PROVENANCE_KEYS]
-        self.specs: tuple[KeySpec, ...] = tuple(specs)
+        self.specs: tuple[KeySpec, ...] = _key_specs(layout, include_provenance)
         frames = buffer_size * self.max_steps
         self.flat: dict[tuple[str, ...], torch.Tensor] = {}
         for spec in self.specs:
@@ -79,12 +72,21 @@ class TrajectoryStorage:
         self._metadata_views: dict[str, torch.Tensor] = {}
         self._metadata_arrays: dict[str, np.ndarray] = {}
         self._payload_tails: list[tuple[np.ndarray | torch.Tensor, float | int]] | None = None
+        self._float_payloads: list[tuple[str, np.ndarray | torch.Tensor]] | None = None
+
+    @staticmethod
+    def shared_bytes(layout: SourceLayout, buffer_size: int, include_provenance: bool) -> int:
+        """Bytes of shared memory the storage of this layout allocates (exact Python ints: no overflow)."""
+        frames = buffer_size * layout.max_episode_steps + 1  # + the padding frame
+        specs = _key_specs(layout, include_provenance)
+        return frames * sum(math.prod(s.frame_shape) * s.dtype.itemsize for s in specs)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_metadata_views"] = {}  # rebuilt on demand in each process
         state["_metadata_arrays"] = {}
         state["_payload_tails"] = None
+        state["_float_payloads"] = None
         return state
 
     @property
@@ -142,6 +144,50 @@ class TrajectoryStorage:
             self._payload_tails = [(_array_or_tensor(self.flat[s.path]), s.unwritten) for s in payload]
         for flat, unwritten in self._payload_tails:
             flat[lo:hi] = unwritten
+
+    def poison_float_payload(self, start: int, end: int) -> None:
+        """Every float payload frame of rows ``[start, end)`` back to NaN, the unwritten value.
+
+        Afterwards a frame the source leaves unwritten is NaN whatever the row held before (an older
+        episode, a failed attempt), which is what :meth:`first_unwritten_frame` looks for. Other payload
+        keys (e.g. ``uint8`` images) are left alone: they have no unwritten value to check for.
+        """
+        lo, hi = start * self.max_steps, end * self.max_steps
+        for _, flat in self._float_arrays():
+            flat[lo:hi] = math.nan
+
+    def first_unwritten_frame(self, row: int, length: int) -> tuple[str, int] | None:
+        """The first float payload key (in field order) holding NaN in frames ``[0, length)`` of ``row``,
+        and the first such frame; ``None`` when there is none.
+
+        NaN is what unwritten float frames hold, so a hit means the source reported ``length`` frames but
+        left one of them unwritten (or wrote NaN itself). Only frames ``t < length`` of float keys are read,
+        with one vectorised ``isnan`` per key: about what reading the episode's float payload once costs.
+        """
+        lo = row * self.max_steps
+        for name, flat in self._float_arrays():
+            frames = flat[lo : lo + length]
+            nan = np.isnan(frames) if isinstance(frames, np.ndarray) else torch.isnan(frames).numpy()
+            if nan.any():
+                return name, int(nan.reshape(length, -1).any(axis=1).argmax())
+        return None
+
+    def _float_arrays(self) -> list[tuple[str, np.ndarray | torch.Tensor]]:
+        if self._float_payloads is None:
+            floats = (s for s in self.iter_specs(payload=True) if s.dtype.is_floating_point)
+            self._float_payloads = [(s.name, _array_or_tensor(self.flat[s.path])) for s in floats]
+        return self._float_payloads
+
+
+def _key_specs(layout: SourceLayout, include_provenance: bool) -> tuple[KeySpec, ...]:
+    """Every stored key: the source's payload fields, the derived metadata, optionally provenance."""
+    specs = [
+        KeySpec(tuple(name.split("/")), f.dtype, tuple(f.shape), True) for name, f in layout.fields.items()
+    ]
+    specs += [KeySpec((name,), dtype, (), False) for name, dtype in METADATA_KEYS.items()]
+    if include_provenance:
+        specs += [KeySpec((name,), torch.int64, (), False) for name in PROVENANCE_KEYS]
+    return tuple(specs)
 
 
 def _array_or_tensor(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:

@@ -5,7 +5,8 @@ A window of rows moves through three steps, all done by the worker that owns the
 1. :meth:`EpisodeWriter.claim` makes the rows odd in the index (no sampler picks them any more) and resets
    them to the unwritten state;
 2. the source writes payload frames, the engine checks its report, then :meth:`EpisodeWriter.write`
-   derives every metadata key and the run tables (still invisible to samplers);
+   checks that no reported float frame still holds NaN (the unwritten value) and derives every metadata
+   key and the run tables (still invisible to samplers);
 3. :meth:`EpisodeWriter.publish` stamps provenance and makes the rows even: from then on they are sampled.
 """
 
@@ -57,6 +58,8 @@ def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, n
     subtask = np.full(length, fallback, dtype=np.int64)
     for k, segment in enumerate(segments):
         lo, hi = segment.start, segment.end
+        if lo == hi:
+            continue  # empty: no frame carries its id, and its text is never interned
         segment_id[lo:hi] = k
         segment_step[lo:hi] = _steps(hi - lo)
         accepted[lo:hi] = bool(segment.accepted)
@@ -112,27 +115,47 @@ class _WholeEpisode:
 class EpisodeWriter:
     """Writes windows of rows of one producer; knows storage and index, nothing of simulators."""
 
-    def __init__(self, storage: TrajectoryStorage, index: EligibilityIndex, language, run_id: int) -> None:
+    def __init__(
+        self,
+        storage: TrajectoryStorage,
+        index: EligibilityIndex,
+        language,
+        run_id: int,
+        check_unwritten_frames: bool = True,
+    ) -> None:
         self.storage = storage
         self.index = index
         self.language = language
         self.run_id = run_id
+        self.check_unwritten_frames = check_unwritten_frames
 
     def claim(self, start: int, end: int) -> None:
         """Take rows ``[start, end)`` away from samplers and reset their metadata to unwritten.
 
-        The payload is left alone: the source overwrites it, and :meth:`write` poisons the frames past each
-        episode's end, so image payloads cross the memory bus once per episode instead of twice.
+        Other payload keys are left alone: the source overwrites them, and :meth:`write` poisons the frames
+        past each episode's end, so (``uint8``) image payloads cross the memory bus once per episode instead
+        of twice. With ``check_unwritten_frames`` the float payload is poisoned (NaN) here, so that a frame
+        the source leaves unwritten is caught even in a row that held an older episode.
         """
         self.index.begin_write(start, end)
-        self.storage.reset_metadata(start, end)
+        self.reset_metadata(start, end)
 
     def reset_metadata(self, start: int, end: int) -> None:
-        """Before another attempt: metadata back to unwritten (payload is overwritten by the source)."""
+        """Metadata back to unwritten, on claim and before another attempt (and the float payload too, with
+        ``check_unwritten_frames``: a failed attempt's frames must not pass for the next one's)."""
         self.storage.reset_metadata(start, end)
+        if self.check_unwritten_frames:
+            self.storage.poison_float_payload(start, end)
 
     def write(self, start: int, episodes: Sequence[Episode], attempt: int) -> list[RowTables]:
-        """Derive and store metadata and run tables of every row of the window (rows stay invisible)."""
+        """Derive and store metadata and run tables of every row of the window (rows stay invisible).
+
+        Raises:
+            ValueError: with ``check_unwritten_frames``, when a float payload holds NaN (the unwritten
+                value) in frames ``[0, length)`` of a row; nothing is written and the rows stay claimed.
+        """
+        if self.check_unwritten_frames:
+            self._reject_unwritten_frames(start, episodes)
         tables = []
         for offset, episode in enumerate(episodes):
             row = start + offset
@@ -152,6 +175,19 @@ class EpisodeWriter:
             self.index.write_tables(row, row_tables)
             tables.append(row_tables)
         return tables
+
+    def _reject_unwritten_frames(self, start: int, episodes: Sequence[Episode]) -> None:
+        for offset, episode in enumerate(episodes):
+            row = start + offset
+            found = self.storage.first_unwritten_frame(row, episode.length)
+            if found is not None:
+                key, frame = found
+                raise ValueError(
+                    f"Episode of buffer row {row} (row {offset} of the rollout) reports length="
+                    f"{episode.length} but its payload {key!r} holds NaN, the value of unwritten frames, "
+                    f"first at frame {frame}: a source must write every frame t < length of every field. "
+                    "If NaN is real data, set OnlineDataEngineCfg.check_unwritten_frames=False."
+                )
 
     def publish(self, start: int, end: int, generation: int, episode_start: int) -> PublishedWindow:
         """Stamp provenance, then make the rows sampleable. Call while holding the publication lock."""
