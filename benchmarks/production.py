@@ -48,6 +48,8 @@ class Args:
     rounds: int = 3
     seconds: float = 4.0
     """Measurement time per candidate per round."""
+    nan_check: bool = False
+    """Also run the first worker count with ``check_unwritten_frames=False``: the check's cost."""
 
     def effective(self) -> Args:
         if not self.quick:
@@ -110,7 +112,7 @@ def run(args: Args) -> int:
         f"{args.rounds} interleaved rounds x {args.seconds:g} s, median shown"
         + (" (QUICK: figures meaningless)" if args.quick else ""),
     )
-    engines = {}
+    engines, unchecked = {}, None
     try:
         for count in args.workers:
             workload = Workload(
@@ -120,14 +122,22 @@ def run(args: Args) -> int:
                 work_us_per_step=args.work_us_per_step,
             )
             engines[count] = (workload, make_engine(workload, num_envs=args.num_envs, fixed_length=False))
+        if args.nan_check:
+            workload = engines[args.workers[0]][0]
+            unchecked = make_engine(
+                workload, num_envs=args.num_envs, fixed_length=False, check_unwritten_frames=False
+            )
         rates = Rates()
         for _ in range(args.rounds):
             for count, (workload, engine) in engines.items():
                 rates.add(f"bare {count}", bare_rate(workload, args.num_envs, count, args.seconds))
                 rates.add(f"engine {count}", engine_rate(engine, args.seconds))
+            if unchecked is not None:
+                rates.add("engine unchecked", engine_rate(unchecked, args.seconds))
     finally:
-        for _, engine in engines.values():
-            engine.stop()
+        for engine in [engine for _, engine in engines.values()] + [unchecked]:
+            if engine is not None:
+                engine.stop()
     _print(args, rates)
     return 0
 
@@ -149,6 +159,15 @@ def _print(args: Args, rates: Rates) -> None:
         machine = ratio(rates.median(f"bare {count}"), rates.median(f"bare {first}"))
         targets.row(f"engine {count} workers / {first} worker", scaling, ">= 1.7", check(scaling, 1.7))
         targets.row(f"bare loop {count} processes / 1 (what the machine allows)", machine, "report", "-")
+    if args.nan_check:
+        checked = Table(
+            f"check_unwritten_frames, {first} worker",
+            ["check", "engine eps/s", "engine / bare loop", "with / without the check"],
+        )
+        with_check, without = rates.median(f"engine {first}"), rates.median("engine unchecked")
+        bare = rates.median(f"bare {first}")
+        checked.row("on (default)", with_check, ratio(with_check, bare), ratio(with_check, without))
+        checked.row("off", without, ratio(without, bare), "-")
 
 
 if __name__ == "__main__":
