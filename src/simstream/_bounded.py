@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._sync import SharedLock
+
 __all__ = ["held"]
 
 _SLICE_S = 0.1
@@ -27,7 +29,8 @@ def held(lock, check: Callable[[], None] | None, slice_s: float = _SLICE_S):
     """What to write ``with`` on: ``lock``'s semaphore, once ``lock`` could be taken (see the module).
 
     Args:
-        lock: A multiprocessing lock, rlock or condition (or any lock: it is then used as it is).
+        lock: A :class:`~simstream._sync.SharedLock` (its own bounded ``held``), a multiprocessing lock,
+            rlock or condition (or any lock: it is then used as it is).
         check: Called while the lock is taken elsewhere; it ends the wait by raising. ``None``: no wait
             beforehand, the ``with`` block waits as long as it takes.
         slice_s: Seconds between two calls of ``check``.
@@ -38,6 +41,8 @@ def held(lock, check: Callable[[], None] | None, slice_s: float = _SLICE_S):
         >>> with held(lock, check=lambda: None):
         ...     pass
     """
+    if isinstance(lock, SharedLock):  # released by the kernel when its holder dies: its own bounded wait
+        return lock.held(check, slice_s)
     semlock = _semlock(lock)
     if check is None:
         return semlock

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ._sync import SharedLock
+
 __all__ = ["SharedLanguageRegistry"]
 
 _KINDS = ("task", "subtask")
@@ -30,8 +32,10 @@ def _check_kind(kind: str) -> None:
 class SharedLanguageRegistry:
     """Interns instruction texts into per-kind 0-based indices readable from every process.
 
-    Owns a shared byte array of ``capacity_bytes`` and a shared length counter; the counter's lock
-    serialises appends. Each new entry appends the line ``json.dumps([kind, text]) + "\\n"`` (compact
+    Owns a shared byte array of ``capacity_bytes`` and a shared length counter. A
+    :class:`~simstream._sync.SharedLock` (released by the kernel if its holder dies) serialises appends;
+    readers take no lock: the bytes of a line are in place before the length moves past them. Each new
+    entry appends the line ``json.dumps([kind, text]) + "\\n"`` (compact
     separators, UTF-8, non-ASCII kept), so newlines inside a text survive. Invariants: the bytes below
     the shared length never change; the ``i``-th line of kind ``k`` is index ``i`` of ``k`` forever.
 
@@ -58,17 +62,17 @@ class SharedLanguageRegistry:
             raise ValueError("language_buffer_bytes must be a positive integer")
         ctx = context if context is not None else multiprocessing.get_context("forkserver")
         self._buffer = ctx.RawArray("B", capacity_bytes)
-        self._length = ctx.Value("Q", 0)
+        self._length = ctx.RawValue("Q", 0)
+        self._append_lock = SharedLock()
         self._reset_cache()
 
     # Multiprocessing primitives only pickle while a child process is being created; the parsed cache
     # is private to each process and is rebuilt from the shared bytes on arrival.
     def __getstate__(self) -> dict[str, Any]:
-        return {"_buffer": self._buffer, "_length": self._length}
+        return {"_buffer": self._buffer, "_length": self._length, "_append_lock": self._append_lock}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._buffer = state["_buffer"]
-        self._length = state["_length"]
+        self.__dict__.update(state)
         self._reset_cache()
 
     @property
@@ -79,8 +83,7 @@ class SharedLanguageRegistry:
     @property
     def used_bytes(self) -> int:
         """Bytes occupied by the entries interned so far, by any process."""
-        with self._length.get_lock():
-            return int(self._length.value)
+        return int(self._length.value)
 
     def count(self, kind: str = "task") -> int:
         """Number of distinct texts of ``kind`` interned so far, by any process."""
@@ -111,8 +114,8 @@ class SharedLanguageRegistry:
             return known
         line = json.dumps([kind, description], ensure_ascii=False, separators=(",", ":")) + "\n"
         encoded = line.encode("utf-8")
-        with self._length.get_lock():
-            self._refresh_locked()
+        with self._append_lock.held(None):
+            self._refresh()
             known = self._indices[kind].get(description)
             if known is not None:
                 return known
@@ -177,11 +180,7 @@ class SharedLanguageRegistry:
             self._reset_cache()
 
     def _refresh(self) -> None:
-        self._ensure_process()
-        with self._length.get_lock():
-            self._refresh_locked()
-
-    def _refresh_locked(self) -> None:
+        """Parse the lines appended since the last look (no lock: only whole lines lie below the length)."""
         self._ensure_process()
         length = int(self._length.value)
         if length <= self._parsed:

@@ -158,7 +158,7 @@ def test_resolve_rejects_unknown_indices(registry):
 def test_copies_see_each_others_entries(registry):
     other = SharedLanguageRegistry.__new__(SharedLanguageRegistry)
     other.__setstate__(registry.__getstate__())
-    assert set(registry.__getstate__()) == {"_buffer", "_length"}
+    assert set(registry.__getstate__()) == {"_buffer", "_length", "_append_lock"}
     assert registry.intern("from the first") == 0
     assert other.resolve(torch.tensor([0])) == ["from the first"]
     assert other.intern("from the second") == 1

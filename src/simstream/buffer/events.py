@@ -2,8 +2,9 @@
 
 Producers append records when they publish or overwrite a buffer row; the owner drains them. The log is
 one ring of ``capacity`` records with fixed-size storage (``capacity * (7 * 8 + 2 * max_steps)`` bytes):
-scalar fields in an int64 table and the frame lists as two boolean masks per record. It has its own
-condition, so appending and draining never touch the buffer's locks.
+scalar fields in an int64 table and the frame lists as two boolean masks per record. It has its own lock
+(a :class:`~simstream._sync.SharedLock`, which a holder's death releases) and a doorbell that a drain
+rings for producers waiting for space, so appending and draining never touch the buffer's locks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._bounded import held
+from .._sync import Doorbell, SharedLock
 
 __all__ = ["LifecycleEventLog"]
 
@@ -70,7 +71,8 @@ class LifecycleEventLog:
         ctx = ctx if ctx is not None else multiprocessing.get_context("forkserver")
         self.capacity = capacity
         self.max_steps = max_steps
-        self._condition = ctx.Condition(ctx.Lock())
+        self._lock = SharedLock()
+        self._space_freed = Doorbell(ctx)
         # [next_sequence, drained, reserved]: sequences below `drained` have been handed to the owner;
         # `reserved` slots are promised to appends that have not happened yet.
         self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (3,))
@@ -92,15 +94,21 @@ class LifecycleEventLog:
 
     def pending(self) -> int:
         """Number of records appended and not drained yet."""
-        with self._condition:
+        with self._lock.held(None):
             return self._pending_locked()
 
     def free_slots(self) -> int:
         """Number of records that can be appended or reserved before the log is full."""
-        with self._condition:
+        with self._lock.held(None):
             return self._free_locked()
 
-    def append(self, records: Sequence[dict[str, Any]], *, reserved: bool = False) -> list[int]:
+    def append(
+        self,
+        records: Sequence[dict[str, Any]],
+        *,
+        reserved: bool = False,
+        check: Callable[[], None] | None = None,
+    ) -> list[int]:
         """Appends ``records`` in order, all or none, and returns their sequence numbers.
 
         Args:
@@ -109,6 +117,8 @@ class LifecycleEventLog:
                 and ``anchor_mask`` of shape ``[max_steps]``. Anchors are kept only where frames are
                 valid.
             reserved: Use space taken earlier with :meth:`reserve` (at least ``len(records)`` slots).
+            check: Called every 0.1 s while another process holds the log's lock; ends the wait by
+                raising.
 
         Returns:
             The sequence numbers assigned, consecutive and in the order of ``records``.
@@ -122,7 +132,7 @@ class LifecycleEventLog:
             return []
         rows, valid, anchor = self._encode(records)
         count = len(records)
-        with self._condition:
+        with self._lock.held(check):
             first = int(self._cursor[0])
             if reserved:
                 if int(self._cursor[2]) < count:
@@ -141,14 +151,13 @@ class LifecycleEventLog:
             self._masks[positions, 1] = anchor
             # Publishing the cursor last keeps a concurrent drain from reading half-written records.
             self._cursor[0] = first + count
-            self._condition.notify_all()
         return sequences.tolist()
 
     def reserve(self, count: int, should_stop: Callable[[], bool], poll_s: float = 0.05) -> bool:
         """Takes ``count`` slots for later ``append(..., reserved=True)``, waiting while they are not free.
 
-        Waits on the log's condition in slices of at most ``poll_s`` seconds (a drain wakes it at once)
-        and calls ``should_stop`` between slices, without holding the log's lock. Give back what will not
+        Sleeps on the log's doorbell in slices of at most ``poll_s`` seconds (a drain rings it) and calls
+        ``should_stop`` between slices, without holding the log's lock. Give back what will not
         be appended with :meth:`release`.
 
         Args:
@@ -168,23 +177,28 @@ class LifecycleEventLog:
             )
         if not poll_s > 0:
             raise ValueError(f"LifecycleEventLog.reserve poll_s must be > 0, got {poll_s!r}")
-        while True:
-            with self._condition:
-                if self._free_locked() >= count:
-                    self._cursor[2] += count
-                    return True
+
+        def check() -> None:
             if should_stop():
-                return False
-            with self._condition:
-                # Re-checked under the lock so a drain between the two blocks is not slept through.
-                if self._free_locked() < count:
-                    self._condition.wait(poll_s)
+                raise _Stopped
+
+        try:
+            while True:
+                with self._lock.held(check):
+                    if self._free_locked() >= count:
+                        self._cursor[2] += count
+                        return True
+                check()
+                # a drain between the look above and this sleep rang the bell: the sleep ends at once
+                self._space_freed.wait(poll_s)
+        except _Stopped:
+            return False
 
     def release(self, count: int) -> None:
         """Gives back ``count`` reserved slots that will not be appended (at most what is reserved)."""
-        with self._condition:
+        with self._lock.held(None):
             self._cursor[2] -= min(count, int(self._cursor[2]))
-            self._condition.notify_all()
+        self._space_freed.ring()
 
     def drain(self, check: Callable[[], None] | None = None) -> list[dict[str, Any]]:
         """Removes and returns every pending record in sequence order, waking producers waiting for space.
@@ -199,7 +213,7 @@ class LifecycleEventLog:
             ``eligible_anchor_indices`` (lists of frame indices), ``valid_frames`` and
             ``eligible_anchors`` (their lengths).
         """
-        with held(self._condition, check):
+        with self._lock.held(check):
             end, start = int(self._cursor[0]), int(self._cursor[1])
             if end == start:
                 return []
@@ -207,12 +221,12 @@ class LifecycleEventLog:
             table = self._table[positions].clone()
             masks = self._masks[positions].clone()
             self._cursor[1] = end
-            self._condition.notify_all()
+        self._space_freed.ring()
         return _decode(table, masks)
 
     def state_dict(self) -> dict[str, int]:
         """Counters of the log: ``next_sequence`` (records ever appended), ``pending`` and ``reserved``."""
-        with self._condition:
+        with self._lock.held(None):
             end, start, reserved = (int(value) for value in self._cursor)
         return {"next_sequence": end, "pending": end - start, "reserved": reserved}
 
@@ -247,6 +261,10 @@ class LifecycleEventLog:
                     )
                 out[i] = mask.detach().to(device="cpu", dtype=torch.bool)
         return rows, valid, anchor & valid
+
+
+class _Stopped(Exception):
+    """Ends :meth:`LifecycleEventLog.reserve`'s wait once ``should_stop`` is true."""
 
 
 def _decode(table: torch.Tensor, masks: torch.Tensor) -> list[dict[str, Any]]:

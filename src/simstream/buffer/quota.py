@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._sync import SharedLock
+
 __all__ = ["EpisodeQuota"]
 
 _INT64_MAX = 2**63 - 1
@@ -72,7 +74,7 @@ class EpisodeQuota:
         self.hard_limit = hard_limit
         self.run_id = run_id
         self.clock_origin_monotonic_ns = time.monotonic_ns()
-        self.lock = ctx.Lock()
+        self.lock = SharedLock()
         self._raw_rows, self._rows = _shared_int64(ctx, (num_rows, 4))
         self._raw_meta, self._meta = _shared_int64(ctx, (2,))
         self._rows[:, _EPISODE] = -1

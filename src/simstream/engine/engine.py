@@ -14,6 +14,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal
 
@@ -21,7 +22,9 @@ import torch
 from tensordict import TensorDict
 
 from .._bounded import held
+from .._sync import SharedFlag, SharedLock
 from ..buffer.index import EPISODE, EligibilityIndex
+from ..buffer.sizing import check_context_lengths, check_shared_memory
 from ..buffer.storage import TrajectoryStorage
 from ..config import OnlineDataEngineCfg
 from ..errors import DataBudgetExhaustedError, DataUnavailableError, OnlineDataWorkerError
@@ -67,6 +70,7 @@ class OnlineDataEngine(EngineLifecycle):
         if not isinstance(cfg, OnlineDataEngineCfg):
             raise TypeError(f"OnlineDataEngine expects an OnlineDataEngineCfg, got {type(cfg).__name__}")
         layout = cfg.validate()
+        check_shared_memory(cfg, layout)  # before anything is allocated: a config /dev/shm cannot hold
         try:
             self._spec_bytes = pickle.dumps(cfg.source)
         except Exception as error:
@@ -99,14 +103,14 @@ class OnlineDataEngine(EngineLifecycle):
             language=SharedLanguageRegistry(cfg.language_buffer_bytes, context=ctx),
             channel=ErrorChannel(ctx),
             progress=ProducerProgress(cfg.num_workers, ctx),
-            publish_lock=ctx.Lock(),
-            close_event=ctx.Event(),
-            wake_events=[ctx.Event() for _ in range(cfg.num_workers)],
+            publish_lock=SharedLock(),
+            close_flag=SharedFlag(ctx),
             state_code=ctx.Value("i", State.CREATED.code, lock=False),
             quota=quota,
             events=events,
             run_id=self.run_id,
             max_generation_attempts=cfg.max_generation_attempts,
+            check_unwritten_frames=cfg.check_unwritten_frames,
         )
         self._sampler = WindowSampler(storage, index, quota)
         self.shared_buffer: TensorDict = storage.rows_view()
@@ -146,6 +150,7 @@ class OnlineDataEngine(EngineLifecycle):
         *,
         generator: torch.Generator | None = None,
         out: TensorDict | None = None,
+        keys: str | Sequence[str | tuple[str, ...]] | None = None,
     ) -> TensorDict:
         """Sample ``batch_size`` chunks of ``chunk_size`` consecutive valid frames.
 
@@ -154,23 +159,35 @@ class OnlineDataEngine(EngineLifecycle):
         change; ``segment`` windows stay inside one accepted segment; ``boundary`` windows cross at least one
         boundary between accepted segments.
 
+        When no window is eligible only because producers are rewriting the rows that hold them, the call
+        waits for them (up to ``OnlineDataEngineCfg.sample_wait_timeout`` seconds, re-checking the
+        producers before every retry), so a producer's error is raised instead of ``DataUnavailableError``.
+
         Args:
             batch_size: Chunks in the batch (drawn with replacement).
             chunk_size: Frames per chunk, ``1 <= chunk_size <= T``.
             sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
             generator: Optional RNG for reproducible draws.
             out: Optional preallocated TensorDict ``[batch_size, chunk_size]`` (e.g. from a previous call)
-                to copy into, avoiding a fresh allocation for large batches. Every buffer key is checked
+                to copy into, avoiding a fresh allocation for large batches. Every copied key is checked
                 before anything is written; extra keys are left alone.
+            keys: Copy only these keys, plus ``valid`` (``None``: every key). A key is a TensorDict key
+                (``"actions"``, ``("obs", "state")``; a group such as ``"obs"`` selects every key under
+                it) or a field name (``"obs/state"``); pass one key or a list of keys. The gather reads
+                nothing else, so one camera of three costs one camera's bytes. The batch holds the keys
+                in the buffer's order.
 
         Returns:
-            A TensorDict ``[batch_size, chunk_size]`` with every buffer key, owning its memory.
+            A TensorDict ``[batch_size, chunk_size]`` with the copied keys, owning its memory.
 
         Raises:
-            ValueError: an argument is out of range, or a key of ``out`` is not a contiguous tensor of
-                the buffer's dtype and shape ``[batch_size, chunk_size, *frame]``.
-            KeyError: ``out`` has no tensor at a buffer key.
-            DataUnavailableError: no eligible window right now (producers keep running).
+            ValueError: an argument is out of range, an entry of ``keys`` is not a key, or a copied key
+                of ``out`` is not a contiguous tensor of the buffer's dtype and shape
+                ``[batch_size, chunk_size, *frame]``.
+            KeyError: a key of ``keys`` names nothing in the buffer (the message lists the buffer's
+                keys), or ``out`` has no tensor at a copied key. Nothing is copied.
+            DataUnavailableError: no eligible window (producers keep running); after the bounded wait
+                when rows were being written.
             DataBudgetExhaustedError: the eligible episodes' quotas cannot supply the batch; nothing charged.
             RuntimeError: the engine is not READY, or a producer's original exception.
         """
@@ -191,7 +208,15 @@ class OnlineDataEngine(EngineLifecycle):
             raise ValueError("boundary sampling requires chunk_size >= 2.")
         try:
             batch = self._sampler.sample_chunks(
-                batch_size, chunk_size, sampling_mode, generator, out=out, check_failed=self._raise_if_failed
+                batch_size,
+                chunk_size,
+                sampling_mode,
+                generator,
+                out=out,
+                keys=keys,
+                check_failed=self._raise_if_failed,
+                check_ready=partial(self._check_ready, "sample_batch"),
+                wait_s=self.cfg.sample_wait_timeout,
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -209,6 +234,7 @@ class OnlineDataEngine(EngineLifecycle):
         generator: torch.Generator | None = None,
         sampling_mode: Literal["episode", "segment"] = "episode",
         generations: tuple[int, ...] | None = None,
+        keys: str | Sequence[str | tuple[str, ...]] | None = None,
     ) -> TensorDict:
         """Sample causal contexts: history up to an anchor frame and the future targets after it.
 
@@ -224,10 +250,16 @@ class OnlineDataEngine(EngineLifecycle):
             generator: Optional RNG for reproducible draws.
             sampling_mode: ``"episode"`` or ``"segment"`` (context inside one accepted segment).
             generations: Only anchors of these generations (needs ``include_provenance=True``).
+            keys: Copy only these keys, plus ``valid`` and ``loss_mask``, as in :meth:`sample_batch`.
 
         Returns:
             A TensorDict ``[batch_size, history_length + prediction_horizon - 1]`` plus ``loss_mask``.
+
+        Raises:
+            ValueError, KeyError: bad arguments or ``keys``, as in :meth:`sample_batch`; nothing is copied.
+            DataUnavailableError: no eligible anchor, after the same bounded wait as :meth:`sample_batch`.
         """
+        check_context_lengths(history_length, prediction_horizon, self.max_episode_steps)
         if any(type(n) is not int or n < 1 for n in (history_length, prediction_horizon)):
             raise ValueError("Context lengths must be positive integers")
         if sampling_mode not in ("episode", "segment"):
@@ -253,6 +285,9 @@ class OnlineDataEngine(EngineLifecycle):
                 generator,
                 generations,
                 check_failed=self._raise_if_failed,
+                keys=keys,
+                check_ready=partial(self._check_ready, "sample_batch"),
+                wait_s=self.cfg.sample_wait_timeout,
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -306,7 +341,7 @@ class OnlineDataEngine(EngineLifecycle):
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError("timeout must be finite and positive")
         progress = self._shared.progress
-        if generation > progress.get("requested_generation"):
+        if generation > progress.requested_generation:
             raise ValueError("generation has not been requested")
         # woken at once by a completed generation, a producer's failure or (through the supervisor's
         # monitor) its death
@@ -330,12 +365,18 @@ class OnlineDataEngine(EngineLifecycle):
         if self.state is State.READY:
             self._check_workers_alive()
 
-    def get_stats(self) -> dict[str, int | float]:
-        """Counters of production and sampling (no state check; cheap)."""
-        values = self._shared.progress.snapshot(self._raise_if_failed)
+    def get_stats(self) -> dict[str, object]:
+        """Counters of production and sampling (no state check, no lock; cheap).
+
+        ``producers`` holds one dict per producer worker: ``index``, ``pid``, ``alive``, ``episodes``
+        (published), ``failed_episodes``, ``frames``, ``completed_generation``, ``restarts`` (always 0
+        for local processes) and ``node_id`` (``None`` for local processes).
+        """
+        values = self._shared.progress.snapshot()
         index = self._shared.index
         stable = index.stable_rows()
         return {
+            "producers": self._producer_stats(),
             "requested_generation": values["requested_generation"],
             "completed_generation": values["completed_generation"],
             "successful_episodes": values["successful_episodes"],
@@ -347,10 +388,22 @@ class OnlineDataEngine(EngineLifecycle):
             "valid_frames": int(index.valid_frames[stable].sum()),
         }
 
+    def _producer_stats(self) -> list[dict[str, object]]:
+        rows = self._shared.progress.producer_rows()
+        dead = {label for label, _ in self._supervisor.dead_workers()} if self._supervisor else set()
+        for row in rows:
+            if self._is_owner():
+                row["alive"] = self._supervisor is not None and f"producer-{row['index']}" not in dead
+            else:
+                row["alive"] = _pid_alive(row["pid"]) and not self._shared.close_flag.is_set()
+            row["restarts"] = 0
+            row["node_id"] = None
+        return rows
+
     def get_flow_status(self) -> dict[str, int | None]:
         """Generations, episodes and (with quotas) the remaining and delivered chunk counts."""
         self.check_health()
-        values = self._shared.progress.snapshot(self._raise_if_failed)
+        values = self._shared.progress.snapshot()
         status = {
             "requested_generation": values["requested_generation"],
             "completed_generation": values["completed_generation"],
@@ -400,6 +453,18 @@ class OnlineDataEngine(EngineLifecycle):
         self._require_owner("drain_lifecycle_events")
         events = self._shared.events
         return [] if events is None else events.drain(self._raise_if_failed)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _count(name: str, value: object) -> int:

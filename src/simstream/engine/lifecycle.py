@@ -7,9 +7,12 @@ by pickling may sample but never start or stop producers.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import time
+import weakref
 
 from ..errors import OnlineDataWorkerError, add_note
 from ..workers.channel import describe_exit
@@ -25,6 +28,27 @@ _DURABILITY_MESSAGE = (
     "OnlineDataEngine worker required terminate()/kill(); graceful close and recorder durability "
     "could not be confirmed."
 )
+
+
+_running_engines: weakref.WeakSet = weakref.WeakSet()
+"""Engines whose producers this process started and has not stopped yet."""
+
+
+@atexit.register
+def _stop_engines_at_exit() -> None:
+    """A script that ends (or crashes) without ``stop()``: stop its engines before the interpreter
+    waits for child processes, which would otherwise be forever (producers are not daemons: a source
+    may start processes of its own)."""
+    for engine in list(_running_engines):
+        if not engine._is_owner() or engine._supervisor is None:
+            continue
+        try:
+            engine.stop()
+        except BaseException as error:  # the script's own traceback is already printed; add this one
+            print(
+                f"simstream: stopping OnlineDataEngine at exit failed: {type(error).__name__}: {error}",
+                file=sys.stderr,
+            )
 
 
 class EngineLifecycle:
@@ -104,12 +128,13 @@ class EngineLifecycle:
         self._supervisor = WorkerSupervisor(
             ctx,
             shared.channel,
-            is_closing=shared.close_event.is_set,
+            is_closing=shared.close_flag.is_set,
             died_message=lambda label, code: (
                 f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
             ),
             on_exit=shared.progress.notify,  # a silent death wakes the owner's waits at once
         )
+        _running_engines.add(self)
         self._supervisor.start(specs)
         shared.request_generation()
 
@@ -162,14 +187,14 @@ class EngineLifecycle:
         """Raise if a producer died (owner) or the owner stopped the producers (consumer)."""
         shared = self._shared
         if not self._is_owner():
-            if shared.close_event.is_set() and self.state is State.READY:
+            if shared.close_flag.is_set() and self.state is State.READY:
                 raise RuntimeError("OnlineDataEngine owner has stopped the simulation worker.")
             return
         supervisor = self._supervisor
-        if supervisor is None or shared.close_event.is_set():
+        if supervisor is None or shared.close_flag.is_set():
             return
         dead = supervisor.dead_workers()
-        if shared.close_event.is_set():
+        if shared.close_flag.is_set():
             # stop() began meanwhile (dead_workers() waits while shutdown() joins the workers): these
             # are the graceful exits it asked for, and stop() itself reports any death before it
             return
@@ -198,14 +223,14 @@ class EngineLifecycle:
             if state is State.FAILED and self._cleanup_complete:
                 return
             if state is State.CREATED:
-                self._shared.close_event.set()
+                self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._cleanup_complete = True
                 self._set_state(State.STOPPED)
                 return
             if state is State.STARTING:
                 self._stop_requested = True
-                self._shared.close_event.set()
+                self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
                 limit = self.cfg.shutdown_timeout + 10.0
@@ -271,7 +296,7 @@ class EngineLifecycle:
     def _shutdown_workers(self) -> bool:
         """Signal close, then join/terminate/kill every worker. Returns whether force was needed."""
         shared = self._shared
-        shared.close_event.set()
+        shared.close_flag.set()
         shared.wake_all()
         supervisor = self._supervisor
         if supervisor is None:

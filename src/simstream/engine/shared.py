@@ -6,7 +6,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._bounded import held
+from .._sync import SharedFlag, SharedLock
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..language import SharedLanguageRegistry
@@ -29,18 +29,19 @@ class EngineShared:
     language: SharedLanguageRegistry
     channel: ErrorChannel
     progress: ProducerProgress
-    publish_lock: object
-    """Serialises publications of all workers: episode ids, quotas and lifecycle records stay in order."""
-    close_event: object
+    publish_lock: SharedLock
+    """Serialises publications of all workers: episode ids, quotas and lifecycle records stay in order.
+    Producers alone take it."""
+    close_flag: SharedFlag
     """Set when the owner stops the engine; workers leave at the next check."""
-    wake_events: list
-    """One per worker; set whenever a new generation is requested."""
     state_code: object
     """``OnlineDataEngineState`` index of the owner-driven state."""
     quota: EpisodeQuota | None
     events: LifecycleEventLog | None
     run_id: int
     max_generation_attempts: int
+    check_unwritten_frames: bool = True
+    """Reject a window whose float payload holds NaN in a reported frame (``EpisodeWriter.write``)."""
 
     def raise_if_failed(self) -> None:
         """Raise the published failure, if any (the check of every bounded wait on a shared lock)."""
@@ -49,8 +50,8 @@ class EngineShared:
             raise error
 
     def wake_all(self) -> None:
-        for event in self.wake_events:
-            event.set()
+        """Ring every producer's doorbell (a request, or closing). Never blocks."""
+        self.progress.wake_producers()
 
     def request_generation(self) -> int:
         """Coalescing refill request: a new generation only when none is outstanding.
@@ -58,33 +59,18 @@ class EngineShared:
         Returns:
             The generation that will satisfy the request.
         """
-        progress = self.progress
-        with held(progress.lock, self.raise_if_failed):
-            requested = progress.get("requested_generation")
-            if requested <= progress.completed_generation:
-                requested += 1
-                progress.set("requested_generation", requested)
-                self.wake_all()
-        return requested
+        return self.progress.request_generation(self.raise_if_failed)
 
     def record_samples(self, count: int, refill_after: int | None) -> None:
         """Count delivered chunks; with ``refill_after`` request a generation once that many accumulated.
 
-        The counter resets only when a request is actually made, so chunks sampled while a refill is
-        outstanding still count toward the next one.
+        Takes no lock a producer takes: the count goes to this process's own row, and the request lock is
+        shared by requesters only.
         """
         progress = self.progress
-        with held(progress.lock, self.raise_if_failed):
-            progress.set("sampled_chunks", progress.get("sampled_chunks") + count)
-            if refill_after is None:
-                return
-            pending = progress.get("sample_count") + count
-            requested = progress.get("requested_generation")
-            if pending >= refill_after and requested <= progress.completed_generation:
-                pending = 0
-                progress.set("requested_generation", requested + 1)
-                self.wake_all()
-            progress.set("sample_count", pending)
+        progress.record_sampled(count, self.raise_if_failed)
+        if refill_after is not None:
+            progress.request_after_samples(refill_after, self.raise_if_failed)
 
     @staticmethod
     def context() -> mp.context.BaseContext:

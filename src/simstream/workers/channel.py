@@ -9,20 +9,26 @@ exception that cannot be rebuilt still arrives with its type name, message and t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import struct
+import time
 import traceback
 from dataclasses import asdict, dataclass
 
-from ..errors import OnlineDataWorkerError
+from .._sync import SharedLock
+from ..errors import OnlineDataWorkerError, add_note
 
 __all__ = ["ErrorChannel", "FailureRecord", "cap_text", "describe_exit", "signal_name"]
 
 CHANNEL_BYTES = 64 * 1024
+NOTES_BYTES = 8 * 1024
+_NOTE_LIMIT = 1024
+_PUBLISH_WAIT_S = 2.0
 _PAYLOAD_LIMIT = 32 * 1024
 _TEXT_LIMIT = 4096
 _TRACEBACK_LIMIT = 24 * 1024
@@ -166,10 +172,13 @@ def _safe_repr(error: BaseException) -> str:
 class ErrorChannel:
     """First-failure-wins broadcast slot, readable by every process that holds the channel.
 
-    Owns a 64 KiB shared byte buffer, its length and a ``failed`` event. Publishing never raises; the first
-    published record stays (later failures are usually consequences of the first). Decoded records are
-    cached per process, so every call in one process returns the same exception object and notes added to
-    it accumulate.
+    Owns a 64 KiB shared byte buffer and its length, plus a small area of **durability notes**: failures
+    of a source's ``close()`` that happened after another failure had been published (they are attached
+    to the published exception as notes, never lost). Publishing never raises and never waits without a
+    bound; reading takes no lock (the record is in place before its length is written, and never changes
+    afterwards). The first published record stays (later failures are usually consequences of the
+    first). Decoded records are cached per process, so every call in one process returns the same
+    exception object and notes added to it accumulate.
 
     The channel pickles only while a process is being created (``Process(args=...)``, ``DataLoader``
     workers), like any multiprocessing primitive.
@@ -177,41 +186,39 @@ class ErrorChannel:
 
     def __init__(self, ctx: mp.context.BaseContext | None = None) -> None:
         ctx = ctx or mp.get_context("forkserver")
-        self._buffer = ctx.Array("B", CHANNEL_BYTES, lock=False)
-        self._length = ctx.Value("i", 0)  # its lock guards publication
-        self._failed = ctx.Event()
+        self._buffer = ctx.RawArray("B", CHANNEL_BYTES)
+        self._length = ctx.RawValue("i", 0)
+        self._notes = ctx.RawArray("B", NOTES_BYTES)
+        self._notes_length = ctx.RawValue("i", 0)
+        self._lock = SharedLock()
         self._cache: tuple[FailureRecord, BaseException] | None = None
+        self._notes_attached = 0
 
     def __getstate__(self) -> dict:
-        return {"_buffer": self._buffer, "_length": self._length, "_failed": self._failed}
+        return {
+            name: getattr(self, name) for name in ("_buffer", "_length", "_notes", "_notes_length", "_lock")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._cache = None
-
-    @property
-    def failed_event(self):
-        """Set once a record is published; wait on it to wake up on failure."""
-        return self._failed
+        self._notes_attached = 0
 
     def is_set(self) -> bool:
-        return self._failed.is_set()
+        return self._length.value != 0
+
+    def wait_published(self, timeout: float) -> bool:
+        """Poll (bounded) until a record is published; ``True`` if one is. For tests and tools."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def publish(self, error: BaseException, worker: str, *, exitcode: int | None = None) -> bool:
         """Publish ``error`` unless something was published before. Never raises."""
-        try:
-            record = FailureRecord.from_exception(error, worker, exitcode=exitcode)
-        except Exception:
-            record = FailureRecord(
-                worker,
-                os.getpid(),
-                "builtins",
-                "RuntimeError",
-                "unrecordable failure",
-                "",
-                "",
-                exitcode,
-            )
+        record = _record_of(error, worker, exitcode)
         if not self.publish_record(record):
             return False
         # The publishing process keeps the very object it raised, so notes added to it are not lost.
@@ -222,26 +229,72 @@ class ErrorChannel:
         """Publish a prepared record unless something was published before. Never raises."""
         try:
             data = record.encode()
-            with self._length.get_lock():
+            with self._publishing():
                 if self._length.value:
                     return False
                 self._buffer[: len(data)] = data
-                self._length.value = len(data)
-            self._failed.set()
+                self._length.value = len(data)  # last: readers see the whole record or none
             return True
         except Exception:
             return False
 
+    def publish_durability_failure(self, error: BaseException, worker: str) -> None:
+        """A source's ``close()`` failed: publish it, or note it on the earlier failure. Never raises.
+
+        Every process sees the note on its copy of the published exception (``error()``), so the owner's
+        ``start()``/``stop()`` and ``check_health()`` report it beside the original failure.
+        """
+        if self.publish(error, worker):
+            return
+        if self._cache is not None and self._cache[1] is error:
+            return
+        note = f"{worker}: source close() also failed: {type(error).__name__}: {_safe_str(error)}"
+        encoded = (cap_text(note, _NOTE_LIMIT) + "\n").encode()
+        try:
+            with self._publishing():
+                start = self._notes_length.value
+                if start + len(encoded) <= NOTES_BYTES:
+                    self._notes[start : start + len(encoded)] = encoded
+                    self._notes_length.value = start + len(encoded)
+        except Exception:
+            pass
+
+    def notes(self) -> list[str]:
+        """The durability notes published after the first failure, oldest first."""
+        length = self._notes_length.value
+        return bytes(self._notes[:length]).decode(errors="replace").splitlines()
+
+    @contextlib.contextmanager
+    def _publishing(self):
+        """The publication lock, waited for at most a few seconds: a publisher must never hang.
+
+        A holder keeps it for microseconds and the kernel releases it if the holder dies; only a holder
+        stopped mid-publication can keep it longer, and then this one publishes without it.
+        """
+        deadline = time.monotonic() + _PUBLISH_WAIT_S
+
+        def give_up() -> None:
+            if time.monotonic() >= deadline:
+                raise _LockTimeout
+
+        try:
+            self._lock.acquire(give_up, slice_s=0.05)
+        except _LockTimeout:
+            yield
+            return
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def read(self) -> FailureRecord | None:
         """The published record, or ``None``."""
-        if not self._failed.is_set():
+        length = self._length.value
+        if not length:
             return None
         if self._cache is not None:
             return self._cache[0]
-        with self._length.get_lock():
-            data = bytes(self._buffer[: self._length.value])
-        if not data:
-            return None
+        data = bytes(self._buffer[:length])
         try:
             record = FailureRecord.decode(data)
             error = record.rebuild()
@@ -255,7 +308,29 @@ class ErrorChannel:
         return record
 
     def error(self) -> BaseException | None:
-        """The published failure rebuilt as an exception (same object on every call), or ``None``."""
+        """The published failure rebuilt as an exception (same object on every call), or ``None``.
+
+        Durability notes published since the last call are attached to it first.
+        """
         if self.read() is None:
             return None
-        return self._cache[1]
+        error = self._cache[1]
+        if self._notes_length.value:
+            notes = self.notes()
+            for note in notes[self._notes_attached :]:
+                add_note(error, note)
+            self._notes_attached = len(notes)
+        return error
+
+
+class _LockTimeout(Exception):
+    pass
+
+
+def _record_of(error: BaseException, worker: str, exitcode: int | None) -> FailureRecord:
+    try:
+        return FailureRecord.from_exception(error, worker, exitcode=exitcode)
+    except Exception:
+        return FailureRecord(
+            worker, os.getpid(), "builtins", "RuntimeError", "unrecordable failure", "", "", exitcode
+        )

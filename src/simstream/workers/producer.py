@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
 import signal
 import time
@@ -46,17 +47,25 @@ def run_producer(
     # worker cleanly), instead of every producer failing the engine with a KeyboardInterrupt of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    shared.progress.set_worker_pid(worker_index, os.getpid())
+    label = f"producer-{worker_index}"
     spec = pickle.loads(spec_bytes)
     source = spec.build(worker_index, derive_worker_seed(seed, worker_index))
     try:
         _Producer(shared, worker_index, row_start, row_end, spec.num_envs, source).run()
     except BaseException as error:
         # Publish before close(): a failing close() must not hide the original failure.
-        shared.channel.publish(error, f"producer-{worker_index}")
+        shared.channel.publish(error, label)
         shared.progress.notify()
         raise
     finally:
-        source.close()
+        try:
+            source.close()
+        except BaseException as close_error:
+            # A durability failure: the first failure if there is none yet, else a note on it (never lost)
+            shared.channel.publish_durability_failure(close_error, label)
+            shared.progress.notify()
+            raise
 
 
 class _Producer:
@@ -66,14 +75,21 @@ class _Producer:
         self.starts = window_starts(start, end, num_envs)
         self.num_envs = num_envs
         self.source = source
-        self.writer = EpisodeWriter(shared.storage, shared.index, shared.language, shared.run_id)
+        self.writer = EpisodeWriter(
+            shared.storage, shared.index, shared.language, shared.run_id, shared.check_unwritten_frames
+        )
         self._owner_gone = owner_watch()
         self._reserved_records = 0
         """Lifecycle-log slots reserved for the current window's ``published`` records."""
 
     def closing(self) -> bool:
         """Stop when the owner asks, or when the owner process is gone (nobody could ever ask)."""
-        return self.shared.close_event.is_set() or self._owner_gone()
+        return self.shared.close_flag.is_set() or self._owner_gone()
+
+    def _raise_if_closing(self) -> None:
+        """The check of this worker's bounded waits on shared locks: leave them once closing."""
+        if self.closing():
+            raise _Closing
 
     def run(self) -> None:
         progress = self.shared.progress
@@ -85,27 +101,27 @@ class _Producer:
             for number, start in enumerate(self.starts):
                 if not self._write_window(number, start, generation):
                     return
+            progress.add_for_worker(self.worker, "production_ns", time.monotonic_ns() - began)
             progress.set_worker_completed(self.worker, generation)
-            progress.add("production_ns", time.monotonic_ns() - began)
 
     def _wait_for_request(self) -> int | None:
-        wake = self.shared.wake_events[self.worker]
         progress = self.shared.progress
         while not self.closing():
             done = progress.worker_completed(self.worker)
-            if progress.get("requested_generation") > done:
+            if progress.requested_generation > done:
                 return done + 1
-            wake.wait(_IDLE_WAIT_S)
-            wake.clear()
+            progress.wait_for_request(self.worker, _IDLE_WAIT_S)
         return None
 
     def _write_window(self, number: int, start: int, generation: int) -> bool:
         end = start + self.num_envs
         events = self.shared.events
-        if events is not None and not self._log_evictions(start, end):
-            return False
         try:
+            if events is not None and not self._log_evictions(start, end):
+                return False
             return self._fill_and_publish(number, start, end, generation)
+        except _Closing:  # stopped while waiting for a shared lock: the window stays unpublished
+            return False
         finally:
             if self._reserved_records:  # stopped (or failed) before publishing: give the space back
                 events.release(self._reserved_records)
@@ -125,7 +141,7 @@ class _Producer:
             episodes = validate_episodes(report, end - start, shared.storage.max_steps)
             if all(episode.success for episode in episodes):
                 break
-            shared.progress.add("failed_episodes", end - start)
+            shared.progress.add_for_worker(self.worker, "failed_episodes", end - start)
             if self.closing():
                 return False
             logger.warning("window %d attempt %d had a failed episode; retrying", number + 1, attempt + 1)
@@ -142,12 +158,11 @@ class _Producer:
 
     def _publish(self, start: int, end: int, generation: int, frames: int) -> None:
         shared, progress = self.shared, self.shared.progress
-        with shared.publish_lock:
-            with progress.lock:
-                first_id = progress.get("next_episode_id")
-                progress.set("next_episode_id", first_id + end - start)
+        check = self._raise_if_closing
+        with shared.publish_lock.held(check):
+            first_id = progress.allocate_episode_ids(end - start)
             if shared.quota is not None:
-                with shared.quota.lock:
+                with shared.quota.lock.held(check):
                     ids = torch.arange(first_id, first_id + end - start)
                     shared.quota.publish(torch.arange(start, end), ids, generation)
                     window = self.writer.publish(start, end, generation, first_id)
@@ -157,11 +172,10 @@ class _Producer:
                 records = [
                     self._record("published", row, window.published_monotonic_ns) for row in range(start, end)
                 ]
-                shared.events.append(records, reserved=True)
+                shared.events.append(records, reserved=True, check=check)
                 self._reserved_records -= len(records)
-        with progress.lock:
-            progress.set("successful_episodes", progress.get("successful_episodes") + end - start)
-            progress.set("generated_frames", progress.get("generated_frames") + frames)
+        progress.add_for_worker(self.worker, "successful_episodes", end - start)
+        progress.add_for_worker(self.worker, "generated_frames", frames)
 
     def _log_evictions(self, start: int, end: int) -> bool:
         """Reserve the window's records (waiting while the log is full), then log its evictions."""
@@ -173,7 +187,8 @@ class _Producer:
         self._reserved_records = end - start
         if published:
             now = time.monotonic_ns()
-            events.append([self._record("evicted", row, now) for row in published], reserved=True)
+            records = [self._record("evicted", row, now) for row in published]
+            events.append(records, reserved=True, check=self._raise_if_closing)
         return True
 
     def _record(self, kind: str, row: int, monotonic_ns: int) -> dict:
@@ -189,3 +204,7 @@ class _Producer:
             "valid_mask": valid,
             "anchor_mask": valid & (storage.metadata("continuity_id")[row] >= 0),
         }
+
+
+class _Closing(Exception):
+    """Raised by a producer's lock-wait check once the engine is closing (never leaves the producer)."""
