@@ -301,3 +301,34 @@ def test_a_close_failure_during_a_timed_out_start_is_a_note_and_stays_visible():
     with pytest.raises(TimeoutError) as checked:
         engine.check_health()
     assert note in checked.value.__notes__
+
+
+def _stats_in_child(engine, results) -> None:
+    results.send(engine.get_stats()["producers"])
+
+
+def test_get_stats_lists_every_producer_in_the_owner_and_in_consumers():
+    engine = _two_producers(refill_policy="manual", buffer_size=8)
+    try:
+        engine.wait_for_generation(engine.request_refill(), timeout=_BOUND_S)
+        producers = engine.get_stats()["producers"]
+        assert [p["index"] for p in producers] == [0, 1]
+        assert [p["pid"] for p in producers] == [_producer_pid(engine, 0), _producer_pid(engine, 1)]
+        # 8 rows in two ranges of 4, two generations: each producer published 4 rows twice
+        assert [(p["episodes"], p["frames"], p["completed_generation"]) for p in producers] == [
+            (8, 160, 2)
+        ] * 2
+        assert all(p["alive"] and p["restarts"] == 0 and p["node_id"] is None for p in producers)
+        assert sum(p["episodes"] for p in producers) == engine.get_stats()["successful_episodes"]
+        ctx = mp.get_context("forkserver")
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_stats_in_child, args=(engine, writer))
+        child.start()
+        assert reader.poll(_BOUND_S)
+        assert reader.recv() == producers  # a consumer sees the same rows
+        child.join(_BOUND_S)
+        os.kill(producers[1]["pid"], signal.SIGKILL)
+        wait_for_exit([producers[1]["pid"]], _BOUND_S, "the killed producer")
+        assert [p["alive"] for p in engine.get_stats()["producers"]] == [True, False]
+    finally:
+        stop_quietly(engine)

@@ -390,12 +390,14 @@ class OnlineDataEngine(EngineLifecycle):
 
     def _producer_stats(self) -> list[dict[str, object]]:
         rows = self._shared.progress.producer_rows()
-        dead = {label for label, _ in self._supervisor.dead_workers()} if self._supervisor else set()
+        supervisor = self._supervisor
+        dead = {label for label, _ in supervisor.dead_workers()} if supervisor is not None else set()
+        owner = self._is_owner()
         for row in rows:
-            if self._is_owner():
-                row["alive"] = self._supervisor is not None and f"producer-{row['index']}" not in dead
-            else:
-                row["alive"] = _pid_alive(row["pid"]) and not self._shared.close_flag.is_set()
+            running = _pid_alive(row["pid"]) and not self._shared.close_flag.is_set()
+            if owner:
+                running = running and f"producer-{row['index']}" not in dead
+            row["alive"] = running
             row["restarts"] = 0
             row["node_id"] = None
         return rows
@@ -456,15 +458,15 @@ class OnlineDataEngine(EngineLifecycle):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not reaped yet, does not)."""
     if pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
 
 
 def _count(name: str, value: object) -> int:
