@@ -22,5 +22,6 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.
         "$PY" -m pip install --quiet "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
-"$PY" -m pip install --quiet -e ".[dev]"
+# The optional integrations (Ray, the LeRobot format) are installed too, so that their tests run.
+"$PY" -m pip install --quiet -e ".[dev,ray,lerobot]"
 echo "$want" > "$STAMP"
