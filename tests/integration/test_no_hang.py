@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -273,6 +274,9 @@ def test_an_owner_killed_in_wait_for_generation_leaves_no_process_behind():
         env={**os.environ, "PYTHONPATH": str(_REPO)},
     )
     try:
+        ready = select.poll()
+        ready.register(owner.stdout, select.POLLIN)
+        assert ready.poll(_BOUND_S * 1000), "the owner script printed nothing"
         pids = json.loads(owner.stdout.readline())
         forkserver = {_parent_of(pid) for pid in pids["producers"]}
         owner.kill()
