@@ -23,7 +23,7 @@ __all__ = ["EngineLifecycle"]
 
 logger = logging.getLogger(__name__)
 
-_PRODUCER_TARGET = "simstream.workers.producer:run_producer"
+_PRODUCER_TARGET = "simstream.engine.producer:run_producer"
 _DURABILITY_MESSAGE = (
     "OnlineDataEngine worker required terminate()/kill(); graceful close and recorder durability "
     "could not be confirmed."
@@ -116,7 +116,7 @@ class EngineLifecycle:
         shared, cfg = self._shared, self.cfg
         ctx = shared.context()
         if _forkserver_not_started():
-            ctx.set_forkserver_preload(["simstream.workers.producer"])
+            ctx.set_forkserver_preload(["simstream.engine.producer"])
         specs = [
             WorkerSpec(
                 label=f"producer-{worker}",
