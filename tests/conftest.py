@@ -56,3 +56,27 @@ def no_leaks():
     assert not children, f"test left child processes running: {children}"
     assert not extra_threads, f"test left threads running: {extra_threads}"
     assert not leaked_shm, f"test left shared-memory files: {leaked_shm}"
+
+
+def in_private_network_namespace() -> bool:
+    """True inside ``unshare -n`` (only the loopback interface exists), where Ray binds to 127.0.0.1."""
+    import socket
+
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+_RAY_TESTS = os.path.join(os.path.dirname(__file__), "ray_backend")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The Ray tests start servers: they run only in a private network namespace (``make test`` runs
+    them there in a step of their own), never in the main run."""
+    if str(collection_path).startswith(_RAY_TESTS) and not in_private_network_namespace():
+        return True
+    return None
+
+
+def pytest_report_header(config):
+    if not in_private_network_namespace():
+        return "tests/ray_backend: not collected outside a private network namespace (see make test-ray)"
+    return None

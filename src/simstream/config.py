@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from ._validation import require_int
+from .ray.backend import RayBackend
 from .sources import Field, SourceSpec
 
 __all__ = ["METADATA_KEYS", "PROVENANCE_KEYS", "OnlineDataEngineCfg", "SourceLayout"]
@@ -123,6 +124,11 @@ class OnlineDataEngineCfg:
     unwritten is NaN even in a reused row) and one ``isnan`` pass over each episode's reported float frames
     (BENCHMARKS.md); turn it off only for sources whose data may legitimately hold NaN."""
 
+    backend: RayBackend | None = None
+    """Where producers run: ``None`` (default) starts ``num_workers`` local processes;
+    :class:`simstream.ray.RayBackend` runs them as Ray actors anywhere in a Ray cluster, feeding this
+    process's shared buffer (``docs/scale-out.md``)."""
+
     def validate(self) -> SourceLayout:
         """Check every field, in the reference engine's order, then the source.
 
@@ -180,6 +186,13 @@ class OnlineDataEngineCfg:
                 "OnlineDataEngineCfg.buffer_device must be 'cpu' (the buffer lives in CPU shared memory), "
                 f"got {self.buffer_device!r}"
             )
+        if self.backend is not None:
+            if not isinstance(self.backend, RayBackend):
+                raise ValueError(
+                    "OnlineDataEngineCfg.backend must be None (local processes) or a "
+                    f"simstream.ray.RayBackend, got {self.backend!r}"
+                )
+            self.backend.validate()
         layout = self._validate_source()
         if capacity:
             initial = self.initial_fill_records(layout.num_envs)

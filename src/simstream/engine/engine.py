@@ -369,8 +369,9 @@ class OnlineDataEngine(EngineLifecycle):
         """Counters of production and sampling (no state check, no lock; cheap).
 
         ``producers`` holds one dict per producer worker: ``index``, ``pid``, ``alive``, ``episodes``
-        (published), ``failed_episodes``, ``frames``, ``completed_generation``, ``restarts`` (always 0
-        for local processes) and ``node_id`` (``None`` for local processes).
+        (published), ``failed_episodes``, ``frames``, ``completed_generation``, ``restarts`` (actor
+        restarts with the Ray backend, always 0 for local processes) and ``node_id`` (with the Ray backend
+        the actor's node id in hex, known in the owner once the actor started; else ``None``).
         """
         values = self._shared.progress.snapshot()
         index = self._shared.index
@@ -391,6 +392,8 @@ class OnlineDataEngine(EngineLifecycle):
     def _producer_stats(self) -> list[dict[str, object]]:
         rows = self._shared.progress.producer_rows()
         supervisor = self._supervisor
+        if self.cfg.backend is not None:  # Ray actors: the pid may be another machine's
+            return self._remote_producer_stats(rows)
         dead = {label for label, _ in supervisor.dead_workers()} if supervisor is not None else set()
         owner = self._is_owner()
         for row in rows:
@@ -398,8 +401,18 @@ class OnlineDataEngine(EngineLifecycle):
             if owner:
                 running = running and f"producer-{row['index']}" not in dead
             row["alive"] = running
-            row["restarts"] = 0
             row["node_id"] = None
+        return rows
+
+    def _remote_producer_stats(self, rows: list[dict[str, object]]) -> list[dict[str, object]]:
+        """Ray backend: ``node_id`` and liveness come from the ingest thread, known in the owner only."""
+        supervisor = self._supervisor if self._is_owner() else None
+        info = supervisor.producer_info() if supervisor is not None else None
+        for row in rows:
+            row["node_id"] = None
+            row["alive"] = self.state is State.READY and not self._shared.close_flag.is_set()
+            if info is not None:
+                row.update(info[row["index"]])
         return rows
 
     def get_flow_status(self) -> dict[str, int | None]:

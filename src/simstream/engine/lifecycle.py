@@ -114,6 +114,14 @@ class EngineLifecycle:
 
     def _launch_workers(self) -> None:
         shared, cfg = self._shared, self.cfg
+        if cfg.backend is not None:  # Ray actors, fed into this process's buffer by an ingest thread
+            from ..ray.ingest import RayProducers
+
+            self._supervisor = RayProducers(shared, cfg, self._spec_bytes, self._num_envs)
+            _running_engines.add(self)
+            self._supervisor.start()
+            shared.request_generation()
+            return
         ctx = shared.context()
         if _forkserver_not_started():
             ctx.set_forkserver_preload(["simstream.engine.producer"])

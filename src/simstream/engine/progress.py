@@ -37,6 +37,7 @@ _PRODUCER = (
     "generated_frames",
     "production_ns",
     "pid",
+    "restarts",
 )
 _CONSUMER_ROWS = 64
 """Sampling processes with a row of their own; any beyond share one more row under a lock."""
@@ -182,6 +183,10 @@ class ProducerProgress:
     def set_worker_pid(self, worker: int, pid: int) -> None:
         self._producers[worker, _PRODUCER.index("pid")] = pid
 
+    def set_worker_restarts(self, worker: int, restarts: int) -> None:
+        """Restarts of producer ``worker`` so far (Ray backend; written by its ingest, the row's writer)."""
+        self._producers[worker, _PRODUCER.index("restarts")] = restarts
+
     def allocate_episode_ids(self, count: int) -> int:
         """First of ``count`` fresh episode ids; the caller holds the publication lock."""
         first = int(self._shared[2])
@@ -206,7 +211,7 @@ class ProducerProgress:
     def snapshot(self) -> dict[str, int]:
         """Every counter, summed over producers and consumers (no lock; each value is current)."""
         totals = self._producers.sum(axis=0)
-        values = {name: int(totals[i]) for i, name in enumerate(_PRODUCER) if name != "pid"}
+        values = {name: int(totals[i]) for i, name in enumerate(_PRODUCER) if name not in ("pid", "restarts")}
         values["requested_generation"] = self.requested_generation
         values["completed_generation"] = self.completed_generation
         values["sampled_chunks"] = self.sampled_total()
@@ -214,7 +219,7 @@ class ProducerProgress:
 
     def producer_rows(self) -> list[dict[str, int]]:
         """One dict per producer: ``index``, ``pid``, ``episodes``, ``failed_episodes``, ``frames``,
-        ``completed_generation``."""
+        ``completed_generation``, ``restarts``."""
         return [
             {
                 "index": worker,
@@ -223,6 +228,7 @@ class ProducerProgress:
                 "failed_episodes": int(row[_PRODUCER.index("failed_episodes")]),
                 "frames": int(row[_PRODUCER.index("generated_frames")]),
                 "completed_generation": int(row[0]),
+                "restarts": int(row[_PRODUCER.index("restarts")]),
             }
             for worker, row in enumerate(self._producers.copy())
         ]

@@ -1,0 +1,142 @@
+"""The body of one producer actor: build the source, generate windows into the actor's own memory.
+
+The actor runs the same "generate a window" half of a producer as a local process
+(:func:`~simstream.engine.window.generate_window`) and returns each window by value: its payload frames
+``[num_envs, max(length), ...]`` as NumPy arrays (Ray moves them without pickling the bytes) and the
+checked ``Episode`` reports. It knows nothing of the trainer's shared memory; the owner's ingest path
+publishes what it returns. Plain Python: :mod:`simstream.ray.ingest` wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import threading
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ..engine.window import GeneratedWindow, generate_window
+from ..errors import OnlineDataWorkerError
+
+__all__ = ["ProducerActor", "WindowPayload"]
+
+
+@dataclass(frozen=True)
+class WindowPayload:
+    """One generated window as it crosses the network."""
+
+    window: GeneratedWindow
+    frames: dict[str, np.ndarray]
+    """Payload field name (``"obs/state"``) -> ``[num_envs, max(length), *shape]`` frames."""
+
+
+class ProducerActor:
+    """Owns one source and a private ``[num_envs, T]`` payload buffer; generates one window per call.
+
+    Calls of the default group run one at a time, in submission order and in one thread (the owner keeps
+    a few in flight); :meth:`stop` runs in a separate ``control`` group so it can end a rollout in
+    progress.
+    """
+
+    def __init__(
+        self, spec_bytes: bytes, worker_index: int, seed: int, attempts: int, check_unwritten_frames: bool
+    ) -> None:
+        self._spec_bytes = spec_bytes
+        self._worker_index = worker_index
+        self._seed = seed
+        self._attempts = attempts
+        self._poison = check_unwritten_frames
+        self._source = None
+        self._stop = threading.Event()
+
+    def build(self) -> dict[str, object]:
+        """Build the source; returns where the actor runs (``node_id`` hex, ``pid``)."""
+        import ray
+
+        torch.set_num_threads(1)
+        spec = pickle.loads(self._spec_bytes)
+        self._max_steps = spec.max_episode_steps
+        fields = dict(spec.fields())
+        tree: dict = {}
+        self._floats: list[torch.Tensor] = []
+        self._names: list[tuple[str, tuple[str, ...]]] = []
+        for name, field in fields.items():
+            tensor = torch.zeros((spec.num_envs, self._max_steps, *field.shape), dtype=field.dtype)
+            path = tuple(name.split("/"))
+            node = tree
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = tensor
+            self._names.append((name, path))
+            if field.dtype.is_floating_point:
+                self._floats.append(tensor)
+        self._rows = TensorDict(tree, batch_size=[spec.num_envs, self._max_steps])
+        with _picklable_errors():
+            self._source = spec.build(self._worker_index, self._seed)
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def generate(self, number: int) -> WindowPayload | None:
+        """Roll out window ``number`` of a generation; ``None`` once :meth:`stop` or :meth:`close` ran."""
+        if self._stop.is_set() or self._source is None:
+            return None
+        self._reset()
+        with _picklable_errors():
+            window = generate_window(
+                self._source,
+                self._rows,
+                number=number,
+                max_steps=self._max_steps,
+                attempts=self._attempts,
+                should_stop=self._stop.is_set,
+                reset=self._reset,
+            )
+        if window is None:
+            return None
+        used = max((episode.length for episode in window.episodes), default=0)
+        frames = {
+            name: np.ascontiguousarray(self._rows.get(path)[:, :used].numpy()) for name, path in self._names
+        }
+        return WindowPayload(window, frames)
+
+    def stop(self) -> None:
+        """Make a rollout in progress (and every later call) return early. Runs in the ``control`` group,
+        beside a rollout; :meth:`close` then runs in the thread that built the source."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the source (its errors are durability failures), in the thread that built and ran it:
+        a renderer's GL context belongs to that thread."""
+        self._stop.set()
+        source, self._source = self._source, None
+        if source is not None:
+            with _picklable_errors():
+                source.close()
+
+    def _reset(self) -> None:
+        """Frames back to unwritten (NaN) so that a reported frame left unwritten is caught on ingest."""
+        if self._poison:
+            for tensor in self._floats:
+                tensor.fill_(math.nan)
+
+
+@contextlib.contextmanager
+def _picklable_errors():
+    """Re-raise an exception that cannot be pickled as an ``OnlineDataWorkerError`` with its type, message
+    and traceback: Ray must pickle what an actor raises, and an exception holding e.g. a ctypes pointer
+    would otherwise kill the actor process (and read as a lost actor instead of the source's error)."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            kind = f"{type(error).__module__}.{type(error).__qualname__}"
+            raise OnlineDataWorkerError(f"Worker raised {kind}: {error}\n{text}") from None
+        raise

@@ -1,0 +1,158 @@
+"""``RayBackend``: where and how the engine's producers run as Ray actors (configuration only, no ``ray``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from numbers import Real
+
+from .._validation import require, require_int, require_number
+
+__all__ = ["MAX_CALLS_IN_FLIGHT", "MAX_RESTARTS", "RayBackend", "RayProducerError", "backend_from_flags"]
+
+MAX_RESTARTS = 10_000
+MAX_CALLS_IN_FLIGHT = 64
+MAX_ACTOR_CPUS = 1024
+MAX_WAIT_S = 1e6
+_OWNER = "RayBackend"
+
+
+@dataclass(frozen=True)
+class RayBackend:
+    """Run ``OnlineDataEngineCfg.num_workers`` producers as Ray actors wherever the cluster places them.
+
+    Each actor builds its source from the engine's ``SourceSpec``, rolls windows out into its own memory
+    and returns them by value; the engine's ingest thread in the trainer process claims, writes and
+    publishes them into the shared buffer through the same write protocol as local producers. Every field
+    is checked on construction (``ValueError`` naming the field and its accepted range), before anything
+    connects to Ray.
+
+    Examples:
+        >>> backend = RayBackend(resources={"sim": 1}, max_restarts=3)
+        >>> backend.calls_in_flight
+        2
+        >>> RayBackend(max_restarts=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: RayBackend.max_restarts must be an int in [0, 10000], got -1
+    """
+
+    address: str | None = None
+    """Ray cluster to join: ``None`` uses the current connection if there is one, else ``ray.init()``
+    (which honours ``RAY_ADDRESS``); ``"auto"`` or ``"host:port"`` joins a running cluster."""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Custom resources every producer actor requires, e.g. ``{"sim": 1}`` to keep producers on the
+    simulation machines (started with ``ray start --resources '{"sim": N}'``)."""
+    max_restarts: int = 3
+    """Restarts per producer after its actor process or node was lost, in ``[0, 10000]``; each restart
+    builds a fresh source with a new seed and re-issues the windows that were in flight."""
+    num_cpus: float = 1.0
+    """CPUs each actor reserves from the cluster, in ``[0, 1024]`` (one simulation core by default)."""
+    call_timeout_s: float = 300.0
+    """Seconds one window may take on its actor (from the moment it is next in line), in ``(0, 1e6]``;
+    past it the engine fails (a hang)."""
+    start_timeout_s: float = 600.0
+    """Seconds an actor may take to be placed on a node, start and build its source, in ``(0, 1e6]``
+    (a replacement waits here while its node is gone); past it the engine fails."""
+    calls_in_flight: int = 2
+    """Windows requested from one actor ahead of the one being ingested, in ``[1, 64]``: enough to keep
+    the actor busy while a finished window travels, bounded so that idle producers stay idle."""
+    restart_delay_s: float = 1.0
+    """Seconds between losing an actor and starting its replacement, in ``[0, 3600]``."""
+    runtime_env: Mapping[str, object] | None = None
+    """Ray runtime environment of the actors (``None``: the driver's); e.g. ``{"env_vars": {...}}``."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field.
+
+        Raises:
+            ValueError: naming the field and its accepted range.
+        """
+        require(
+            self.address is None or (isinstance(self.address, str) and self.address.strip() != ""),
+            _OWNER,
+            "address",
+            "None or a nonempty string ('auto', 'host:port', 'ray://host:port')",
+            self.address,
+        )
+        resources = self.resources
+        require(
+            isinstance(resources, Mapping),
+            _OWNER,
+            "resources",
+            "a mapping of resource name to amount",
+            resources,
+        )
+        for name, amount in resources.items():
+            require(
+                isinstance(name, str) and name.strip() != "" and name not in ("CPU", "GPU", "memory"),
+                _OWNER,
+                "resources",
+                "a mapping whose keys are custom resource names (not CPU, GPU or memory: see num_cpus)",
+                resources,
+            )
+            require(
+                isinstance(amount, Real)
+                and not isinstance(amount, bool)
+                and math.isfinite(amount)
+                and 0 < amount <= MAX_ACTOR_CPUS,
+                _OWNER,
+                f"resources[{name!r}]",
+                f"a number in (0, {MAX_ACTOR_CPUS}]",
+                amount,
+            )
+        require_int(_OWNER, "max_restarts", self.max_restarts, 0, MAX_RESTARTS)
+        require_number(_OWNER, "num_cpus", self.num_cpus, 0, MAX_ACTOR_CPUS)
+        require_number(_OWNER, "call_timeout_s", self.call_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        require_number(_OWNER, "start_timeout_s", self.start_timeout_s, 0, MAX_WAIT_S, low_open=True)
+        require_int(_OWNER, "calls_in_flight", self.calls_in_flight, 1, MAX_CALLS_IN_FLIGHT)
+        require_number(_OWNER, "restart_delay_s", self.restart_delay_s, 0, 3600)
+        require(
+            self.runtime_env is None or isinstance(self.runtime_env, Mapping),
+            _OWNER,
+            "runtime_env",
+            "None or a mapping (a Ray runtime environment)",
+            self.runtime_env,
+        )
+
+
+class RayProducerError(RuntimeError):
+    """A Ray producer was lost for good: its restarts are exhausted, or a call passed its timeout.
+
+    The message names the producer, its Ray node, Ray's error and the restart count; the same values are
+    attributes. Pickles (it travels through the engine's error channel to every consumer).
+    """
+
+    def __init__(self, message: str, worker: str = "", node_id: str | None = None, restarts: int = 0) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.node_id = node_id
+        self.restarts = restarts
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.worker, self.node_id, self.restarts))
+
+
+def backend_from_flags(owner: str, backend: str, ray_address: str | None) -> RayBackend | None:
+    """The ``backend`` of an engine config from the command line's ``--backend`` and ``--ray-address``.
+
+    Raises:
+        ValueError: ``<owner>.backend`` is neither ``local`` nor ``ray``, or ``<owner>.ray_address`` is
+            given with the local backend.
+    """
+    require(backend in ("local", "ray"), owner, "backend", "'local' or 'ray'", backend)
+    if backend == "local":
+        require(ray_address is None, owner, "ray_address", "None unless backend is 'ray'", ray_address)
+        return None
+    require(
+        ray_address is None or (isinstance(ray_address, str) and ray_address.strip() != ""),
+        owner,
+        "ray_address",
+        "None or a nonempty address ('auto', 'host:port')",
+        ray_address,
+    )
+    return RayBackend(address=ray_address)

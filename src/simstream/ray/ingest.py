@@ -1,0 +1,392 @@
+"""The trainer-side half of the Ray backend: actors, the ingest thread, restarts and shutdown.
+
+:class:`RayProducers` stands where :class:`~simstream.workers.supervisor.WorkerSupervisor` stands for
+local processes (``start``, ``dead_workers``, ``shutdown``). One ingest thread in the owner drives every
+actor: it asks an actor for a window only while the engine's requested generation is ahead of what that
+producer completed (idle producers stay idle), keeps at most ``calls_in_flight`` calls per actor, and
+waits on Ray with ``ray.wait`` in short slices, holding no lock meanwhile. A window that arrives is
+published with :class:`~simstream.engine.publisher.WindowPublisher`: claim, copy the payload in, write,
+publish, exactly as a local producer does; the thread is the single writer of its producers' progress
+rows. Failures:
+
+* an exception in the source arrives as Ray's task error; its cause (the original exception) is
+  published on the error channel, so the owner and every consumer raise it;
+* a lost actor (process killed, node gone, object lost) is replaced by a fresh actor with a new seed
+  after ``restart_delay_s``, and the windows it had in flight are asked again; none of them was visible
+  (rows are claimed only when a window has arrived);
+* restarts exhausted, or a call or an actor start past ``call_timeout_s``: :class:`RayProducerError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayError, RayTaskError
+
+from ..config import OnlineDataEngineCfg
+from ..engine.publisher import Closing, WindowPublisher
+from ..engine.shared import EngineShared
+from ..engine.window import derive_worker_seed, window_starts
+from ..workers.supervisor import ShutdownReport
+from .actor import ProducerActor, WindowPayload
+from .backend import RayBackend, RayProducerError
+
+__all__ = ["RayProducers"]
+
+logger = logging.getLogger(__name__)
+
+_SLICE_S = 0.05
+"""Longest single wait on Ray or on a refill request; every slice ends with the stop and failure checks."""
+_JOIN_S = 5.0
+
+
+@dataclass
+class _Call:
+    ref: object
+    number: int
+    generation: int
+
+
+@dataclass
+class _Producer:
+    """The owner's view of one producer actor (touched by the ingest thread only)."""
+
+    index: int
+    starts: list[int]
+    actor: object = None
+    build_ref: object = None
+    node_id: str | None = None
+    pid: int = 0
+    restarts: int = 0
+    restart_at: float = 0.0
+    calls: deque = field(default_factory=deque)
+    head_since: float = 0.0
+    """When the oldest outstanding call (or the build) became the one its actor works on."""
+    next_generation: int = 1
+    next_number: int = 0
+    began_ns: int = 0
+    closed: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"producer-{self.index}"
+
+
+class RayProducers:
+    """Owns the producer actors of one engine and the ingest thread that publishes their windows.
+
+    Args:
+        shared: The engine's shared objects.
+        cfg: The engine config (``cfg.backend`` is a :class:`RayBackend`).
+        spec_bytes: The pickled ``SourceSpec``.
+        num_envs: Rows per window.
+    """
+
+    def __init__(self, shared: EngineShared, cfg: OnlineDataEngineCfg, spec_bytes: bytes, num_envs: int):
+        self._shared = shared
+        self._cfg = cfg
+        self._backend: RayBackend = cfg.backend
+        self._spec_bytes = spec_bytes
+        self._num_envs = num_envs
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._initialized_ray = False
+        self._actor_class = None
+        self._producers = [
+            _Producer(worker, window_starts(start, end, num_envs))
+            for worker, (start, end) in enumerate(cfg.worker_row_ranges(num_envs))
+        ]
+        self._publishers = [WindowPublisher(shared, p.index, self._closing) for p in self._producers]
+
+    # -- the supervisor's interface ------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to Ray, start every actor (building happens in the actors) and the ingest thread."""
+        backend = self._backend
+        if not ray.is_initialized():
+            ray.init(address=backend.address, logging_level=logging.WARNING)
+            self._initialized_ray = True
+        self._actor_class = ray.remote(concurrency_groups={"control": 1})(ProducerActor)
+        for producer in self._producers:
+            self._start_actor(producer)
+        self._thread = threading.Thread(target=self._run, name="simstream-ray-ingest", daemon=True)
+        self._thread.start()
+
+    def dead_workers(self) -> list[tuple[str, int | None]]:
+        """Always empty: the ingest thread publishes every failure of its actors itself."""
+        return []
+
+    def producer_info(self) -> list[dict[str, object]]:
+        """Per producer: ``node_id`` (hex, ``None`` until its actor started), ``restarts``, ``alive``."""
+        alive = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return [
+            {"node_id": p.node_id, "restarts": p.restarts, "alive": alive and p.actor is not None}
+            for p in self._producers
+        ]
+
+    def shutdown(self, timeout_s: float) -> ShutdownReport:
+        """Stop the ingest thread, close every source (bounded by ``timeout_s``), then kill every actor.
+
+        A source whose ``close()`` raised is a durability failure on the error channel; an actor that
+        did not close in time makes the report ``forced``. Killing returns the actors' resources to the
+        cluster whatever happened before.
+        """
+        report = ShutdownReport()
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(min(_JOIN_S, timeout_s))
+            if self._thread.is_alive():
+                report.monitor_stopped = False
+        try:
+            self._close_actors(deadline, report)
+        finally:
+            for producer in self._producers:
+                self._kill(producer)
+            if self._initialized_ray and report.monitor_stopped:
+                ray.shutdown()
+                self._initialized_ray = False
+        if report.monitor_stopped:
+            self._thread = None
+        return report
+
+    # -- actors --------------------------------------------------------------------------------------
+    def _start_actor(self, producer: _Producer) -> None:
+        backend, cfg = self._backend, self._cfg
+        options = {
+            "num_cpus": backend.num_cpus,
+            "resources": dict(backend.resources),
+            "max_restarts": 0,  # restarts are ours: a fresh source with a new seed, and a budget we count
+            "max_concurrency": 1,
+            "name": None,
+        }
+        if backend.runtime_env is not None:
+            options["runtime_env"] = dict(backend.runtime_env)
+        options = {key: value for key, value in options.items() if value is not None}
+        seed = derive_worker_seed(cfg.seed, producer.index, producer.restarts)
+        producer.actor = self._actor_class.options(**options).remote(
+            self._spec_bytes, producer.index, seed, cfg.max_generation_attempts, cfg.check_unwritten_frames
+        )
+        producer.build_ref = producer.actor.build.remote()
+        producer.head_since = time.monotonic()
+        producer.node_id, producer.pid = None, 0
+
+    def _kill(self, producer: _Producer) -> None:
+        actor, producer.actor = producer.actor, None
+        producer.calls.clear()
+        producer.build_ref = None
+        if actor is None:
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as error:  # Ray already shut down (interpreter exit): its actors died with it
+            logger.debug("ray.kill of %s failed: %s", producer.label, error)
+
+    def _close_actors(self, deadline: float, report: ShutdownReport) -> None:
+        refs = {}
+        for producer in self._producers:
+            if producer.actor is not None and producer.build_ref is None:
+                # stop ends the rollout in progress; close follows the calls in flight (each now returns
+                # at once) and closes the source in the thread that built it
+                producer.actor.stop.options(concurrency_group="control").remote()
+                refs[producer.actor.close.remote()] = producer
+        pending = list(refs)
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=_SLICE_S)
+        for ref, producer in refs.items():
+            if ref in pending:
+                report.forced = True
+                logger.warning("%s did not close its source in time; killing its actor", producer.label)
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayTaskError as error:
+                self._shared.channel.publish_durability_failure(_original(error), producer.label)
+            except RayError as error:  # the actor died while closing: durability unconfirmed
+                logger.warning("%s died while closing: %s", producer.label, error)
+                report.forced = True
+
+    # -- the ingest thread ---------------------------------------------------------------------------
+    def _closing(self) -> bool:
+        return self._stop.is_set() or self._shared.close_flag.is_set()
+
+    def _run(self) -> None:
+        progress = self._shared.progress
+        try:
+            while not self._closing() and not self._shared.channel.is_set():
+                now = time.monotonic()
+                for producer in self._producers:
+                    self._issue(producer, now)
+                    self._check_timeout(producer, now)
+                heads = {}
+                for producer in self._producers:
+                    ref = producer.build_ref or (producer.calls[0].ref if producer.calls else None)
+                    if ref is not None:
+                        heads[ref] = producer
+                if not heads:
+                    progress.wait_for_request(0, _SLICE_S)
+                    continue
+                ready, _ = ray.wait(list(heads), num_returns=1, timeout=_SLICE_S)
+                for ref in ready:
+                    self._receive(heads[ref], ref)
+        except Closing:
+            pass
+        except BaseException as error:
+            self._shared.channel.publish(error, "ray-ingest")
+        finally:
+            progress.notify()
+
+    def _issue(self, producer: _Producer, now: float) -> None:
+        if producer.actor is None:
+            if now >= producer.restart_at:
+                self._start_actor(producer)
+            return
+        if producer.build_ref is not None:
+            return
+        requested = self._shared.progress.requested_generation
+        limit = self._backend.calls_in_flight
+        while len(producer.calls) < limit and producer.next_generation <= requested:
+            if not producer.calls:
+                producer.head_since = now
+            ref = producer.actor.generate.remote(producer.next_number)
+            producer.calls.append(_Call(ref, producer.next_number, producer.next_generation))
+            producer.next_number += 1
+            if producer.next_number == len(producer.starts):
+                producer.next_generation, producer.next_number = producer.next_generation + 1, 0
+
+    def _receive(self, producer: _Producer, ref) -> None:
+        try:
+            value = ray.get(ref, timeout=0)
+        except RayTaskError as error:  # the source (or the window's check) raised: fatal, as locally
+            original = _original(error)
+            self._shared.channel.publish(original, producer.label)
+            raise Closing from None
+        except RayError as error:  # the actor, its node or the result was lost
+            self._lost(producer, error)
+            return
+        now = time.monotonic()
+        if ref is producer.build_ref:
+            producer.build_ref = None
+            producer.node_id, producer.pid = value["node_id"], value["pid"]
+            self._shared.progress.set_worker_pid(producer.index, producer.pid)
+            return
+        call = producer.calls.popleft()
+        producer.head_since = now
+        if value is None:  # the actor is closing
+            return
+        try:
+            self._publish(producer, call, value)
+        except Closing:
+            raise
+        except Exception as error:  # e.g. a reported frame left unwritten: fails the engine, as locally
+            self._shared.channel.publish(error, producer.label)
+            raise Closing from None
+
+    def _publish(self, producer: _Producer, call: _Call, payload: WindowPayload) -> None:
+        progress = self._shared.progress
+        if call.number == 0:
+            producer.began_ns = time.monotonic_ns()
+        start = producer.starts[call.number]
+        end = start + self._num_envs
+        publisher = self._publishers[producer.index]
+        if payload.window.failed_episodes:
+            publisher.count_failed(payload.window.failed_episodes)
+        try:
+            if not publisher.begin(start, end):
+                raise Closing
+            rows = self._shared.storage.rows_view(start, end, payload_only=True)
+            for name, frames in payload.frames.items():
+                _copy_into(rows.get(tuple(name.split("/")))[:, : frames.shape[1]], frames)
+            publisher.finish(start, end, payload.window, call.generation)
+        finally:
+            publisher.abandon()
+        if call.number == len(producer.starts) - 1:
+            progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - producer.began_ns)
+            progress.set_worker_completed(producer.index, call.generation)
+
+    def _lost(self, producer: _Producer, error: BaseException) -> None:
+        first = producer.calls[0] if producer.calls else None
+        node = producer.node_id
+        self._kill(producer)
+        if producer.restarts >= self._backend.max_restarts:
+            self._fail(producer, node, f"its actor was lost ({_describe(error)})", "restarts exhausted")
+        producer.restarts += 1
+        self._shared.progress.set_worker_restarts(producer.index, producer.restarts)
+        if first is not None:  # ask again for every window that was in flight, from the oldest
+            producer.next_generation, producer.next_number = first.generation, first.number
+        producer.restart_at = time.monotonic() + self._backend.restart_delay_s
+        logger.warning(
+            "%s on node %s was lost (%s); restart %d of %d",
+            producer.label,
+            node,
+            _describe(error),
+            producer.restarts,
+            self._backend.max_restarts,
+        )
+
+    def _check_timeout(self, producer: _Producer, now: float) -> None:
+        if producer.build_ref is None and not producer.calls:
+            return
+        backend = self._backend
+        if producer.build_ref is not None:
+            what, field, limit = (
+                "starting its actor and building its source",
+                "start_timeout_s",
+                backend.start_timeout_s,
+            )
+        else:
+            what, field, limit = "a window call", "call_timeout_s", backend.call_timeout_s
+        if now - producer.head_since <= limit:
+            return
+        node = producer.node_id
+        self._kill(producer)
+        self._fail(
+            producer,
+            node,
+            f"{what} did not finish within RayBackend.{field}={limit} s (GetTimeoutError)",
+            "timed out",
+        )
+
+    def _fail(self, producer: _Producer, node: str | None, what: str, outcome: str) -> None:
+        backend = self._backend
+        error = RayProducerError(
+            f"Ray producer {producer.label} on node {node or 'unknown (never started)'}: {what}; "
+            f"{outcome} after {producer.restarts} restart(s) of max_restarts={backend.max_restarts}.",
+            producer.label,
+            node,
+            producer.restarts,
+        )
+        self._shared.channel.publish(error, producer.label)
+        raise Closing
+
+
+def _copy_into(target: torch.Tensor, frames: np.ndarray) -> None:
+    """Copy a received (read-only, zero-copy) array into shared rows."""
+    try:
+        np.copyto(target.numpy(), frames)
+    except TypeError:  # a dtype NumPy lacks (bfloat16): through torch, from a writable copy
+        target.copy_(torch.from_numpy(frames.copy()))
+
+
+def _original(error: RayTaskError) -> BaseException:
+    """The exception the actor raised, with its original type and message."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
+        return cause
+    try:
+        return error.as_instanceof_cause()
+    except Exception:
+        return error
+
+
+def _describe(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 300:
+        text = text[:300] + " ..."
+    return f"{type(error).__name__}: {text}"

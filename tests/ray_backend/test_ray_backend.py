@@ -1,0 +1,222 @@
+"""The engine's contract with producers as Ray actors on a second node (``simstream.ray``).
+
+Every engine here pins its producers to the ``sim`` node, so each window crosses Ray's object transfer
+into the trainer's shared buffer. Waits are bounded; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from simstream import DataBudgetExhaustedError, OnlineDataEngine, OnlineDataEngineCfg, OnlineDataEngineState
+from simstream.data import OnlineDataset
+from simstream.ray import RayBackend, RayProducerError
+from tests.ray_backend.conftest import SIM_CPUS, sim_available, wait_for
+from tests.support.engines import stop_quietly
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+SEGMENTS = ((0, 8, "reach the block", True), (8, 20, "place it", True))
+
+
+def ray_cfg(spec: ScriptedSpec | None = None, backend: RayBackend | None = None, **overrides):
+    values = {
+        "source": spec or ScriptedSpec(segments=SEGMENTS),
+        "buffer_size": 4,
+        "num_workers": 2,
+        "refill_policy": "manual",
+        "shutdown_timeout": 10.0,
+        "initialization_timeout": 120.0,
+        "backend": backend or RayBackend(resources={"sim": 1}, restart_delay_s=0.0, max_restarts=1),
+    }
+    values.update(overrides)
+    return OnlineDataEngineCfg(**values)
+
+
+def sim_node_id(cluster) -> str:
+    return cluster[1].node_id
+
+
+def assert_chunks_are_consecutive_frames_of_one_episode(batch) -> None:
+    assert bool(batch["valid"].all())
+    tags, steps = batch["obs"][..., 0], batch["obs"][..., 1]
+    assert bool((tags == tags[:, :1]).all())
+    assert bool((steps[:, 1:] - steps[:, :-1] == 1).all())
+
+
+def test_contract_sampling_provenance_lifecycle_and_language(cluster):
+    cfg = ray_cfg(include_provenance=True, lifecycle_event_capacity=64)
+    with OnlineDataEngine(cfg) as engine:
+        producers = engine.get_stats()["producers"]
+        assert [p["node_id"] for p in producers] == [sim_node_id(cluster)] * 2  # on the sim node, hex
+        assert all(p["restarts"] == 0 and p["alive"] and p["episodes"] == 2 for p in producers)
+        assert sim_available() == SIM_CPUS - 2
+        for mode, size in (("episode", 12), ("segment", 6), ("boundary", 4)):
+            batch = engine.sample_batch(16, size, mode)
+            assert_chunks_are_consecutive_frames_of_one_episode(batch)
+        segment = engine.sample_batch(32, 8, "segment")
+        texts = engine.resolve_language(segment)
+        assert set(texts["task"][0]) == {"stack the blocks"}  # interned on the trainer's side
+        assert {row[0] for row in texts["subtask"]} <= {"reach the block", "place it"}
+        contexts = engine.sample_batch_with_context(8, 4, 3)
+        assert contexts.batch_size == torch.Size([8, 6])
+        assert bool(contexts["loss_mask"][:, 3:].any())
+        first = engine.drain_lifecycle_events()
+        assert [e["kind"] for e in first] == ["published"] * 4
+        generation = engine.request_refill()
+        engine.wait_for_generation(generation, timeout=60)
+        second = engine.drain_lifecycle_events()
+        assert sorted(e["kind"] for e in second) == ["evicted"] * 4 + ["published"] * 4
+        ids = [e["episode_id"] for e in first + second if e["kind"] == "published"]
+        assert ids == sorted(ids) and len(set(ids)) == 8  # unique and increasing across actors
+        batch = engine.sample_batch(64, 4)
+        assert set(batch["ods_generation"].unique().tolist()) == {2}
+        assert bool((batch["ods_episode_id"] >= 4).all())
+
+
+def test_quotas_and_the_sample_threshold_policy(cluster):
+    cfg = ray_cfg(episode_sample_budget=2, episode_sample_hard_limit=2)
+    with OnlineDataEngine(cfg) as engine:
+        for _ in range(2):
+            engine.sample_batch(4, 5)
+        with pytest.raises(DataBudgetExhaustedError):
+            engine.sample_batch(4, 5)
+        generation = engine.request_refill()
+        engine.wait_for_generation(generation, timeout=60)
+        snapshot = engine.get_sampling_budget_snapshot()
+        assert snapshot["unlocked_remaining_chunks"] == 8
+        engine.sample_batch(8, 5)
+    with OnlineDataEngine(ray_cfg(refill_policy="sample_threshold", refill_threshold=1)) as engine:
+        # every buffer_size chunks ask for a generation; the actors deliver it
+        engine.sample_batch(4, 5)
+        wait_for(lambda: engine.get_stats()["completed_generation"] >= 2, "a threshold refill")
+        assert engine.get_stats()["successful_episodes"] >= 8
+
+
+def test_dataloader_workers_stream_and_receive_the_source_exception(cluster):
+    # windows 1-2 of each producer's source succeed (generation 1); its third rollout raises
+    spec = ScriptedSpec(fault="raise", fault_after=1, fault_worker=1)
+    engine = OnlineDataEngine(ray_cfg(spec))
+    try:
+        engine.start()
+        dataset = OnlineDataset(engine, chunk_size=5, batch_size=8, seed=3)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=1,
+            multiprocessing_context="spawn",
+            collate_fn=OnlineDataset.passthrough_collate_fn,
+            timeout=60,
+        )
+        batches = iter(loader)
+        assert_chunks_are_consecutive_frames_of_one_episode(next(batches))
+        generation = engine.request_refill()
+        with pytest.raises(KeyError, match="scripted failure in rollout"):  # in the owner: original type
+            engine.wait_for_generation(generation, timeout=60)
+        with pytest.raises(KeyError, match="scripted failure in rollout"):  # in a DataLoader worker too
+            for _ in range(100):
+                next(batches)
+        del batches, loader
+        gc.collect()  # the caught exception's frames referenced the iterator: its workers end with it
+        assert engine.state is OnlineDataEngineState.FAILED
+    finally:
+        stop_quietly(engine)
+
+
+def test_failing_build_makes_start_raise_it(cluster):
+    engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="build_raise")))
+    with pytest.raises(ValueError, match="source could not be built"):
+        engine.start()
+    stop_quietly(engine)
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_killed_actor_is_restarted_and_its_window_reissued(cluster):
+    with OnlineDataEngine(ray_cfg()) as engine:
+        victim = engine.get_stats()["producers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        generation = engine.request_refill()
+        engine.wait_for_generation(generation, timeout=90)
+        producers = engine.get_stats()["producers"]
+        assert producers[0]["restarts"] == 1 and producers[1]["restarts"] == 0
+        assert producers[0]["node_id"] == sim_node_id(cluster)
+        assert producers[0]["pid"] != victim["pid"]
+        assert_chunks_are_consecutive_frames_of_one_episode(engine.sample_batch(32, 6))
+        assert engine.get_stats()["successful_episodes"] == 8
+
+
+def test_exhausted_restarts_fail_the_engine_naming_producer_node_and_error(cluster):
+    spec = ScriptedSpec(fault="sigkill", fault_worker=0)  # every incarnation dies in its first rollout
+    engine = OnlineDataEngine(ray_cfg(spec))
+    with pytest.raises(RayProducerError) as caught:
+        engine.start()
+    message = str(caught.value)
+    assert "producer-0" in message and sim_node_id(cluster) in message
+    assert "after 1 restart(s) of max_restarts=1" in message and "Error" in message
+    assert isinstance(caught.value, RuntimeError) and caught.value.restarts == 1
+    stop_quietly(engine)
+
+
+def test_hanging_call_fails_the_engine_after_its_timeout_and_stop_ends_the_actor(cluster):
+    backend = RayBackend(resources={"sim": 1}, call_timeout_s=2.0, max_restarts=0)
+    engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="hang", fault_worker=1), backend, num_workers=2))
+    with pytest.raises(RayProducerError, match=r"producer-1 on node .*call_timeout_s=2.0"):
+        engine.start()
+    stop_quietly(engine)  # the autouse fixture checks the hanging actor's resources came back
+
+
+def test_stop_returns_the_sim_resources(cluster):
+    engine = OnlineDataEngine(ray_cfg())
+    engine.start()
+    assert sim_available() == SIM_CPUS - 2
+    engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED
+    wait_for(lambda: sim_available() == SIM_CPUS, "the actors' resources after stop()")
+
+
+def test_owner_killed_leaves_no_actor_running(cluster):
+    import ray
+
+    script = textwrap.dedent(
+        f"""
+        import sys, threading
+        import ray
+        from simstream import OnlineDataEngine, OnlineDataEngineCfg
+        from simstream.ray import RayBackend
+        from tests.support.sources import ScriptedSpec
+        ray.init(address={ray.get_runtime_context().gcs_address!r}, logging_level="WARNING",
+                 log_to_driver=False)
+        cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=2,
+                                  backend=RayBackend(resources={{"sim": 1}}), initialization_timeout=120.0)
+        engine = OnlineDataEngine(cfg)
+        engine.start()
+        print("ready", flush=True)
+        threading.Event().wait(600)
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        assert sim_available() == SIM_CPUS - 2
+        owner.kill()
+        owner.wait(30)
+        wait_for(lambda: sim_available() == SIM_CPUS, "the dead owner's actors to end")
+    finally:
+        owner.kill()
+        owner.wait(30)
+        owner.stdout.close()

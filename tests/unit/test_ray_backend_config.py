@@ -1,0 +1,151 @@
+"""``RayBackend`` validation (no Ray needed: the config never imports it) and lazy imports."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.ray import RayBackend, RayProducerError
+from simstream.ray.backend import backend_from_flags
+from tests.support.sources import ScriptedSpec
+
+_BAD_FIELDS = [
+    pytest.param("address", "", r"RayBackend\.address must be None or a nonempty string", id="address-empty"),
+    pytest.param("address", 5, r"RayBackend\.address must be None or a nonempty string", id="address-int"),
+    pytest.param("resources", ["sim"], r"RayBackend\.resources must be a mapping", id="resources-list"),
+    pytest.param(
+        "resources", {"CPU": 1}, r"RayBackend\.resources must be a mapping whose keys", id="res-cpu"
+    ),
+    pytest.param("resources", {"": 1}, r"RayBackend\.resources must be a mapping whose keys", id="res-empty"),
+    pytest.param(
+        "resources", {"sim": 0}, r"RayBackend\.resources\['sim'\] must be a number in \(0, 1024\]", id="res-0"
+    ),
+    pytest.param("resources", {"sim": True}, r"RayBackend\.resources\['sim'\] must be", id="res-bool"),
+    pytest.param("resources", {"sim": math.inf}, r"RayBackend\.resources\['sim'\] must be", id="res-inf"),
+    pytest.param(
+        "max_restarts", -1, r"RayBackend\.max_restarts must be an int in \[0, 10000\]", id="restarts-neg"
+    ),
+    pytest.param("max_restarts", 1.0, r"RayBackend\.max_restarts must be an int", id="restarts-float"),
+    pytest.param("max_restarts", True, r"RayBackend\.max_restarts must be an int", id="restarts-bool"),
+    pytest.param("num_cpus", -0.5, r"RayBackend\.num_cpus must be a number in \[0, 1024\]", id="cpus-neg"),
+    pytest.param(
+        "num_cpus", math.nan, r"RayBackend\.num_cpus must be a number in \[0, 1024\]", id="cpus-nan"
+    ),
+    pytest.param(
+        "call_timeout_s", 0, r"RayBackend\.call_timeout_s must be a number in \(0, 1e6\]", id="call-0"
+    ),
+    pytest.param("call_timeout_s", math.inf, r"RayBackend\.call_timeout_s must be", id="call-inf"),
+    pytest.param(
+        "start_timeout_s", 0.0, r"RayBackend\.start_timeout_s must be a number in \(0", id="start-0"
+    ),
+    pytest.param(
+        "calls_in_flight", 0, r"RayBackend\.calls_in_flight must be an int in \[1, 64\]", id="flight-0"
+    ),
+    pytest.param(
+        "calls_in_flight", 65, r"RayBackend\.calls_in_flight must be an int in \[1, 64\]", id="flight-65"
+    ),
+    pytest.param(
+        "restart_delay_s", -1, r"RayBackend\.restart_delay_s must be a number in \[0, 3600\]", id="delay"
+    ),
+    pytest.param(
+        "runtime_env", "env", r"RayBackend\.runtime_env must be None or a mapping", id="runtime-env"
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), _BAD_FIELDS)
+def test_every_field_is_checked_on_construction_naming_field_and_range(name, value, message):
+    with pytest.raises(ValueError, match=message):
+        RayBackend(**{name: value})
+
+
+@given(st.integers(min_value=-(10**6), max_value=10**6))
+def test_max_restarts_accepts_exactly_its_range(value):
+    if 0 <= value <= 10_000:
+        assert RayBackend(max_restarts=value).max_restarts == value
+    else:
+        with pytest.raises(ValueError, match=r"RayBackend\.max_restarts must be an int in \[0, 10000\]"):
+            RayBackend(max_restarts=value)
+
+
+@given(st.integers(min_value=-100, max_value=200))
+def test_calls_in_flight_accepts_exactly_its_range(value):
+    if 1 <= value <= 64:
+        assert RayBackend(calls_in_flight=value).calls_in_flight == value
+    else:
+        with pytest.raises(ValueError, match=r"RayBackend\.calls_in_flight must be an int in \[1, 64\]"):
+            RayBackend(calls_in_flight=value)
+
+
+@given(
+    st.sampled_from(["call_timeout_s", "start_timeout_s"]),
+    st.floats(allow_nan=True, allow_infinity=True, width=64),
+)
+def test_timeouts_accept_exactly_finite_positive_seconds_up_to_1e6(name, value):
+    if math.isfinite(value) and 0 < value <= 1e6:
+        assert getattr(RayBackend(**{name: value}), name) == value
+    else:
+        with pytest.raises(ValueError, match=rf"RayBackend\.{name} must be a number in \(0, 1e6\]"):
+            RayBackend(**{name: value})
+
+
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=5), st.floats(min_value=0.001, max_value=1024), max_size=3)
+)
+def test_custom_resources_accept_positive_amounts(resources):
+    if any(name.strip() == "" or name in ("CPU", "GPU", "memory") for name in resources):
+        with pytest.raises(ValueError, match=r"RayBackend\.resources"):
+            RayBackend(resources=resources)
+    else:
+        assert dict(RayBackend(resources=resources).resources) == resources
+
+
+def test_engine_config_refuses_a_backend_that_is_not_a_ray_backend_before_anything_starts():
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, backend="ray")
+    with pytest.raises(
+        ValueError, match=r"OnlineDataEngineCfg\.backend must be None .*RayBackend, got 'ray'"
+    ):
+        OnlineDataEngine(cfg)
+
+
+def test_flags_build_the_backend():
+    assert backend_from_flags("DemoConfig", "local", None) is None
+    assert backend_from_flags("DemoConfig", "ray", "auto") == RayBackend(address="auto")
+    with pytest.raises(ValueError, match=r"DemoConfig\.backend must be 'local' or 'ray', got 'mpi'"):
+        backend_from_flags("DemoConfig", "mpi", None)
+    with pytest.raises(ValueError, match=r"DemoConfig\.ray_address must be None unless backend is 'ray'"):
+        backend_from_flags("DemoConfig", "local", "auto")
+
+
+def test_producer_error_pickles_with_its_fields():
+    import pickle
+
+    error = RayProducerError("producer-1 lost", "producer-1", "ab12", 3)
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, RuntimeError)
+    assert (str(copy), copy.worker, copy.node_id, copy.restarts) == (
+        "producer-1 lost",
+        "producer-1",
+        "ab12",
+        3,
+    )
+
+
+def test_importing_simstream_and_its_data_api_never_imports_ray():
+    code = (
+        "import sys, pickle, simstream, simstream.data, simstream.ray\n"
+        "from simstream import OnlineDataEngineCfg\n"
+        "cfg = OnlineDataEngineCfg(backend=simstream.ray.RayBackend(resources={'sim': 1}))\n"
+        "pickle.loads(pickle.dumps(cfg))\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
