@@ -13,8 +13,9 @@ A window of rows moves through three steps, all done by the worker that owns the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ import torch
 from ..sources import Episode
 from .index import EligibilityIndex, RowTables, compute_row_tables, segment_row_tables
 from .storage import TrajectoryStorage
+
+if TYPE_CHECKING:
+    from .gate import RecordGate
 
 __all__ = ["EpisodeWriter", "PublishedWindow", "derive_row_metadata"]
 
@@ -122,21 +126,30 @@ class EpisodeWriter:
         language,
         run_id: int,
         check_unwritten_frames: bool = True,
+        record_gate: RecordGate | None = None,
     ) -> None:
         self.storage = storage
         self.index = index
         self.language = language
         self.run_id = run_id
         self.check_unwritten_frames = check_unwritten_frames
+        self.record_gate = record_gate
 
-    def claim(self, start: int, end: int) -> None:
+    def claim(self, start: int, end: int, check: Callable[[], None] | None = None) -> None:
         """Take rows ``[start, end)`` away from samplers and reset their metadata to unwritten.
+
+        With a recorder attached to ``record_gate``, first wait (in bounded slices, running ``check``
+        between them; it raises to abandon the claim) until the recorder copied the episodes these rows
+        hold, or, in its skip mode, count them as skipped: every claim path (local producers, the Ray
+        ingest) passes through here, so no published episode is overwritten unrecorded.
 
         Other payload keys are left alone: the source overwrites them, and :meth:`write` poisons the frames
         past each episode's end, so (``uint8``) image payloads cross the memory bus once per episode instead
         of twice. With ``check_unwritten_frames`` the float payload is poisoned (NaN) here, so that a frame
         the source leaves unwritten is caught even in a row that held an older episode.
         """
+        if self.record_gate is not None:
+            self.record_gate.before_claim(start, end, self.index.episode_id, check)
         self.index.begin_write(start, end)
         self.reset_metadata(start, end)
 

@@ -47,6 +47,7 @@ class WindowPublisher:
             shared.language,
             shared.run_id,
             shared.check_unwritten_frames,
+            record_gate=shared.record_gate,  # a recorder's copy comes before any overwrite
         )
         self._reserved_records = 0
         """Lifecycle-log slots reserved for the current window's ``published`` records."""
@@ -63,7 +64,7 @@ class WindowPublisher:
         """
         if self.shared.events is not None and not self._log_evictions(start, end):
             return False
-        self.writer.claim(start, end)
+        self.writer.claim(start, end, check=self._raise_if_closing)  # Closing: nothing claimed
         return True
 
     def reset(self, start: int, end: int) -> None:

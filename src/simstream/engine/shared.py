@@ -15,6 +15,7 @@ from .progress import ProducerProgress
 
 if TYPE_CHECKING:
     from ..buffer.events import LifecycleEventLog
+    from ..buffer.gate import RecordGate
     from ..buffer.quota import EpisodeQuota
 
 __all__ = ["EngineShared"]
@@ -42,6 +43,15 @@ class EngineShared:
     max_generation_attempts: int
     check_unwritten_frames: bool = True
     """Reject a window whose float payload holds NaN in a reported frame (``EpisodeWriter.write``)."""
+    record_gate: RecordGate | None = None
+    """Per-row "recorded up to episode id": claims wait for an attached recorder (``buffer/gate.py``).
+    Created with the rest when not given: 16 bytes per row."""
+
+    def __post_init__(self) -> None:
+        if self.record_gate is None:
+            from ..buffer.gate import RecordGate
+
+            self.record_gate = RecordGate(self.index.buffer_size)
 
     def raise_if_failed(self) -> None:
         """Raise the published failure, if any (the check of every bounded wait on a shared lock)."""

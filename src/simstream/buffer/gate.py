@@ -1,0 +1,91 @@
+"""The record gate: a producer does not overwrite a published episode that a recorder has not copied yet.
+
+A recorder (``simstream.lerobot.LeRobotRecorder``) copies published rows beside the sampler. For it never to
+lose an episode, :meth:`EpisodeWriter.claim` calls :meth:`RecordGate.before_claim`, which, while a recorder
+is attached in ``"wait"`` mode, waits until every row about to be claimed is recorded:
+
+    row r may be claimed  <=>  episode_id[r] < 0  or  recorded[r] >= episode_id[r]
+
+``recorded[r]`` has one writer (the recorder); ``skipped[r]`` has one writer (the producer owning row
+``r``). In ``"skip"`` mode a claim never waits: it counts the unrecorded episode it overwrites in
+``skipped``. The wait is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a
+producer's stop check raises once the engine closes or its owner is gone); a recorder that detaches (closes,
+or its thread fails) sets the mode back to off, which ends every wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["RecordGate"]
+
+_OFF, _WAIT, _SKIP = 0, 1, 2
+_MODES = {"off": _OFF, "wait": _WAIT, "skip": _SKIP}
+
+
+class RecordGate:
+    """Per-row "recorded up to episode id" in shared memory, and the recorder's mode.
+
+    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64) and ``mode`` (one int64). Allocated by the
+    engine's owner and pickled into producers with the rest of the shared state.
+    """
+
+    def __init__(self, buffer_size: int) -> None:
+        self.recorded = torch.full((buffer_size,), -1, dtype=torch.int64).share_memory_()
+        self.skipped = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
+        self.mode = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    @staticmethod
+    def shared_bytes(buffer_size: int) -> int:
+        """Bytes of shared memory :meth:`__init__` allocates."""
+        return 8 * (2 * buffer_size + 1)
+
+    def attach(self, mode: str) -> None:
+        """Start gating claims: ``"wait"`` (producers wait for the recorder) or ``"skip"`` (they count)."""
+        if mode not in ("wait", "skip"):
+            raise ValueError(f"RecordGate mode must be 'wait' or 'skip', got {mode!r}")
+        self.mode[0] = _MODES[mode]
+
+    def detach(self) -> None:
+        """Stop gating: every waiting claim proceeds at its next slice."""
+        self.mode[0] = _OFF
+
+    @property
+    def attached(self) -> bool:
+        return int(self.mode[0]) != _OFF
+
+    def mark_recorded(self, row: int, episode_id: int) -> None:
+        """The recorder copied ``episode_id`` out of ``row``: the row may be claimed again."""
+        self.recorded[row] = episode_id
+
+    def total_skipped(self) -> int:
+        return int(self.skipped.sum())
+
+    def before_claim(
+        self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None = None
+    ) -> None:
+        """Return once rows ``[start, end)`` may be claimed (see the module docstring).
+
+        Args:
+            start, end: The rows about to be claimed.
+            episode_id: The index's per-row published episode id (``-1``: none).
+            check: Runs between wait slices; raises to abandon the claim (e.g. the engine is closing).
+        """
+        slice_s = 0.001
+        while True:
+            mode = int(self.mode[0])
+            if mode == _OFF:
+                return
+            pending = episode_id[start:end] > self.recorded[start:end]
+            if not bool(pending.any()):
+                return
+            if mode == _SKIP:
+                self.skipped[start:end] += pending.to(torch.int64)
+                return
+            if check is not None:
+                check()
+            time.sleep(slice_s)
+            slice_s = min(slice_s * 2, 0.02)
