@@ -19,7 +19,17 @@ import torch
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["Episode", "EpisodeSource", "Field", "Segment", "SourceSpec", "validate_episodes"]
+__all__ = [
+    "SOURCE_INDEX",
+    "Episode",
+    "EpisodeSource",
+    "Field",
+    "MixSource",
+    "MixSpec",
+    "Segment",
+    "SourceSpec",
+    "validate_episodes",
+]
 
 
 @dataclass(frozen=True)
@@ -192,3 +202,137 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
                     f"Episode.continuity of row {row} must hold ints >= -1 (-1: never used as context)"
                 )
     return list(episodes)
+
+
+SOURCE_INDEX = "source_index"
+"""The field :class:`MixSpec` adds: per frame, the position in ``specs`` of the source that wrote it."""
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """Fill the buffer from several sources with the same fields, in the given proportions (co-training).
+
+    Each rollout (one window of ``num_envs`` rows) comes from source ``k`` with probability
+    ``weights[k] / sum(weights)``, drawn by a generator seeded per producer worker, so over ``n`` windows
+    the share of source ``k`` is ``weights[k] / sum(weights)`` within binomial error. Every frame carries
+    ``source_index`` (int64, the position ``k``) so a trainer can weigh or filter by it. Sources are built
+    lazily in the worker, on their first draw.
+
+    Examples:
+        >>> from simstream.synthetic import SyntheticSpec
+        >>> a, b = SyntheticSpec(num_envs=2), SyntheticSpec(num_envs=2, min_length=10)
+        >>> sorted(MixSpec((a, b), (3, 1)).fields())[-1]
+        'source_index'
+    """
+
+    specs: Sequence[SourceSpec]
+    """The sources; all have the same fields (names, shapes, dtypes) and ``num_envs``."""
+    weights: Sequence[float]
+    """Non-negative proportions, one per source, not all zero."""
+
+    def __post_init__(self) -> None:
+        specs, weights = tuple(self.specs), tuple(self.weights)
+        if not specs:
+            raise ValueError("MixSpec.specs must hold at least one source spec, got none")
+        if len(weights) != len(specs):
+            raise ValueError(
+                f"MixSpec.weights must hold one weight per spec ({len(specs)}), got {len(weights)}"
+            )
+        for k, w in enumerate(weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+                raise ValueError(f"MixSpec.weights[{k}] must be a finite number >= 0, got {w!r}")
+        if sum(weights) <= 0:
+            raise ValueError(f"MixSpec.weights must not all be 0, got {list(weights)}")
+        first = dict(specs[0].fields())
+        if SOURCE_INDEX in first:
+            raise ValueError(f"MixSpec.specs[0] already has a field {SOURCE_INDEX!r}; MixSpec adds it")
+        for k, spec in enumerate(specs[1:], start=1):
+            fields = dict(spec.fields())
+            if fields != first:
+                differing = sorted(
+                    name for name in set(fields) | set(first) if fields.get(name) != first.get(name)
+                )
+                raise ValueError(
+                    f"MixSpec.specs[{k}] has other fields than specs[0]: {differing} differ (every source "
+                    "must have the same names, shapes and dtypes; LeRobotSpec(fields_subset=...) selects)"
+                )
+            if spec.num_envs != specs[0].num_envs:
+                raise ValueError(
+                    f"MixSpec.specs[{k}].num_envs is {spec.num_envs}, specs[0].num_envs is "
+                    f"{specs[0].num_envs}: every source must write windows of the same size"
+                )
+        object.__setattr__(self, "specs", specs)
+        object.__setattr__(self, "weights", tuple(float(w) for w in weights))
+
+    @property
+    def num_envs(self) -> int:
+        return self.specs[0].num_envs
+
+    @property
+    def max_episode_steps(self) -> int:
+        """The longest row any source needs (each source truncates at its own capacity)."""
+        return max(spec.max_episode_steps for spec in self.specs)
+
+    @property
+    def fps(self) -> int | None:
+        """The sources' common ``fps`` (``None`` when they differ or have none)."""
+        rates = {getattr(spec, "fps", None) for spec in self.specs}
+        return rates.pop() if len(rates) == 1 else None
+
+    def fields(self) -> dict[str, Field]:
+        fields = dict(self.specs[0].fields())
+        fields[SOURCE_INDEX] = Field((), torch.int64)
+        return fields
+
+    def build(self, worker_index: int, seed: int) -> MixSource:
+        return MixSource(self, worker_index, seed)
+
+
+class MixSource:
+    """Draws the source of each window, builds sources on first use, stamps ``source_index``."""
+
+    def __init__(self, spec: MixSpec, worker_index: int, seed: int) -> None:
+        import numpy as np
+
+        self.spec = spec
+        self.worker_index = worker_index
+        self.seed = seed
+        weights = np.asarray(spec.weights)
+        self.probabilities = weights / weights.sum()
+        self.rng = np.random.default_rng([seed, 0x4D4958])
+        self.sources: dict[int, EpisodeSource] = {}
+        self.draws = [0] * len(spec.specs)
+
+    def choose(self) -> int:
+        """The source of the next window."""
+        return int(self.rng.choice(len(self.probabilities), p=self.probabilities))
+
+    def rollout(
+        self, rows: TensorDict, *, attempt: int, should_stop: Callable[[], bool]
+    ) -> Sequence[Episode] | None:
+        k = self.choose()
+        self.draws[k] += 1
+        spec = self.spec.specs[k]
+        if k not in self.sources:
+            import numpy as np
+
+            child_seed = int(
+                np.random.SeedSequence([self.seed, k]).generate_state(1, dtype=np.uint64)[0] >> 1
+            )
+            self.sources[k] = spec.build(self.worker_index, child_seed)
+        steps = spec.max_episode_steps
+        payload = rows.exclude(SOURCE_INDEX)[:, :steps]
+        report = self.sources[k].rollout(payload, attempt=attempt, should_stop=should_stop)
+        if report is not None:
+            rows.get(SOURCE_INDEX).fill_(k)
+        return report
+
+    def close(self) -> None:
+        errors = []
+        for source in self.sources.values():
+            try:
+                source.close()
+            except Exception as error:  # close every source; report the first failure
+                errors.append(error)
+        if errors:
+            raise errors[0]

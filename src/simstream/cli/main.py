@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "stream": "start an engine on a built-in task and print sampling throughput",
     "rl": "asynchronous PPO on a gymnasium MuJoCo task",
     "bench": "run the streaming benchmarks",
+    "record": "record a task's expert episodes into a LeRobot v3.0 dataset",
 }
 
 

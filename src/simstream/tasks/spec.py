@@ -37,6 +37,8 @@ class TaskSourceSpec:
     camera: str = "front"
     """Camera that renders ``obs/image``: one of ``CAMERAS``."""
 
+    fps: ClassVar[int] = 20
+    """Control rate of the built-in tasks (a LeRobot recording's ``fps``)."""
     action_semantics: ClassVar[str] = "expert_controller_command"
     """Stored actions are the expert's joint-target commands."""
 

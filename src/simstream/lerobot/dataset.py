@@ -1,0 +1,286 @@
+"""Reading a LeRobot v3.0 dataset: metadata, then episodes frame by frame (PyAV decodes the videos).
+
+Episodes are what ``meta/episodes/*/*.parquet`` lists: a dataset interrupted before its ``info.json`` was
+updated still opens with every committed episode. Every failure names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .format import CODEBASE_VERSION, DATA_PATH, VIDEO_PATH, Feature, LeRobotFormatError, features_from_info
+from .names import KeyMap
+
+__all__ = ["DatasetMeta", "EpisodeReader", "read_dataset_meta"]
+
+
+@dataclass
+class DatasetMeta:
+    """What ``meta/`` says: ``info.json``, the episodes (stats columns left in), tasks and subtasks."""
+
+    root: Path
+    info: dict[str, Any]
+    episodes: list[dict[str, Any]]
+    tasks: list[str]
+    subtasks: list[str]
+
+    @property
+    def fps(self) -> int:
+        return int(self.info["fps"])
+
+    @property
+    def video_keys(self) -> list[str]:
+        return [k for k, v in self.info["features"].items() if v.get("dtype") == "video"]
+
+    @property
+    def stats_keys(self) -> list[str]:
+        if not self.episodes:
+            return []
+        return sorted(
+            {c.split("/")[1] for c in self.episodes[0] if c.startswith("stats/") and c.endswith("/min")}
+        )
+
+    def data_path(self, episode: dict[str, Any]) -> Path:
+        return self.root / DATA_PATH.format(
+            chunk_index=episode["data/chunk_index"], file_index=episode["data/file_index"]
+        )
+
+    def video_path(self, episode: dict[str, Any], key: str) -> Path:
+        return self.root / VIDEO_PATH.format(
+            video_key=key,
+            chunk_index=episode[f"videos/{key}/chunk_index"],
+            file_index=episode[f"videos/{key}/file_index"],
+        )
+
+
+def _read_table(path: Path, columns: list[str] | None = None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise LeRobotFormatError(
+            f"{path}: not a readable parquet file (truncated or damaged?): {error}"
+        ) from error
+
+
+def _language(path: Path, index_name: str, text_name: str, required: bool) -> list[str]:
+    if not path.exists() and not required:
+        return []
+    table = _read_table(path)
+    names = table.column_names
+    if index_name not in names or text_name not in names:
+        raise LeRobotFormatError(f"{path}: needs columns {index_name!r} and {text_name!r}, has {names}")
+    order = np.argsort(table.column(index_name).to_numpy())
+    texts = table.column(text_name).to_pylist()
+    return [texts[i] for i in order]
+
+
+def read_dataset_meta(root: Path | str) -> DatasetMeta:
+    """Read and check ``meta/`` of the dataset at ``root``.
+
+    Raises:
+        LeRobotFormatError: naming the file: no ``meta/info.json``, not v3.0, a damaged parquet file, or
+            episodes that do not tile ``[0, total)`` in order.
+    """
+    root = Path(root)
+    info_path = root / "meta" / "info.json"
+    if not root.is_dir():
+        raise LeRobotFormatError(f"{root}: no such dataset folder")
+    if not info_path.is_file():
+        raise LeRobotFormatError(f"{info_path}: missing, so {root} is not a LeRobot dataset")
+    try:
+        info = json.loads(info_path.read_text())
+    except ValueError as error:
+        raise LeRobotFormatError(f"{info_path}: not valid JSON ({error})") from error
+    version = info.get("codebase_version") if isinstance(info, dict) else None
+    if version != CODEBASE_VERSION:
+        raise LeRobotFormatError(
+            f"{info_path}: codebase_version is {version!r}; only LeRobot format {CODEBASE_VERSION!r} is "
+            "supported (convert older datasets with lerobot's convert_dataset_v21_to_v30)"
+        )
+    for name in ("fps", "features"):
+        if name not in info:
+            raise LeRobotFormatError(f"{info_path}: has no {name!r}")
+    episodes: list[dict[str, Any]] = []
+    folder = root / "meta" / "episodes"
+    for path in sorted(folder.glob("chunk-*/file-*.parquet")) if folder.exists() else []:
+        episodes.extend(_read_table(path).to_pylist())
+    episodes.sort(key=lambda e: e["episode_index"])
+    expected_from = 0
+    for position, ep in enumerate(episodes):
+        if ep["episode_index"] != position or ep["dataset_from_index"] != expected_from:
+            raise LeRobotFormatError(
+                f"{folder}: episode {ep['episode_index']} (frames from {ep['dataset_from_index']}) breaks "
+                f"the sequence: expected episode {position} from frame {expected_from}"
+            )
+        expected_from = ep["dataset_to_index"]
+    tasks = _language(root / "meta" / "tasks.parquet", "task_index", "task", required=bool(episodes))
+    subtasks = _language(root / "meta" / "subtasks.parquet", "subtask_index", "subtask", required=False)
+    return DatasetMeta(root, info, episodes, tasks, subtasks)
+
+
+@dataclass
+class EpisodeFrames:
+    """One episode read back: payload by field name and its per-frame language columns."""
+
+    frames: dict[str, np.ndarray]
+    task_index: np.ndarray
+    subtask_index: np.ndarray | None
+    segment_id: np.ndarray | None
+
+
+class EpisodeReader:
+    """Reads episodes of one dataset; caches the last data file and keeps video files open.
+
+    Owns open PyAV containers (close with :meth:`close`).
+    """
+
+    def __init__(self, meta: DatasetMeta, features: list[Feature]) -> None:
+        self.meta = meta
+        self.features = features
+        self._table: tuple[Path, dict[str, Any]] | None = None
+        self._containers: dict[Path, Any] = {}
+
+    def _columns(self, path: Path) -> dict[str, Any]:
+        if self._table is not None and self._table[0] == path:
+            return self._table[1]
+        wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
+        import pyarrow.parquet as pq
+
+        names = set(pq.read_schema(path).names) if path.is_file() else set()
+        wanted += [k for k in ("subtask_index", "segment_id") if k in names]
+        missing = [k for k in wanted if names and k not in names]
+        if missing:
+            raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
+        table = _read_table(path, wanted)
+        columns: dict[str, Any] = {}
+        for f in self.features:
+            if f.dtype == "video":
+                continue
+            column = table.column(f.key).combine_chunks()
+            if f.dtype == "image":
+                columns[f.key] = column.field("bytes").to_pylist()
+            elif f.scalar:
+                columns[f.key] = column.to_numpy(zero_copy_only=False)
+            else:
+                columns[f.key] = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1)
+        for key in ("index", "task_index", "subtask_index", "segment_id"):
+            if key in table.column_names:
+                columns[key] = table.column(key).to_numpy()
+        self._table = (path, columns)
+        return columns
+
+    def read(self, episode_index: int) -> EpisodeFrames:
+        """Every payload frame of one episode."""
+        ep = self.meta.episodes[episode_index]
+        path = self.meta.data_path(ep)
+        columns = self._columns(path)
+        hits = np.flatnonzero(columns["index"] == ep["dataset_from_index"])
+        length = int(ep["length"])
+        if len(hits) != 1 or hits[0] + length > len(columns["index"]):
+            raise LeRobotFormatError(f"{path}: does not hold the {length} frames of episode {episode_index}")
+        lo = int(hits[0])
+        frames: dict[str, np.ndarray] = {}
+        for f in self.features:
+            if f.dtype == "video":
+                frames[f.field] = self._decode(ep, f, length)
+            elif f.dtype == "image":
+                frames[f.field] = np.stack([_png(b, f, path) for b in columns[f.key][lo : lo + length]])
+            else:
+                frames[f.field] = columns[f.key][lo : lo + length]
+        extra = {
+            k: columns[k][lo : lo + length] if k in columns else None for k in ("subtask_index", "segment_id")
+        }
+        return EpisodeFrames(frames, columns["task_index"][lo : lo + length], **extra)
+
+    def _decode(self, ep: dict[str, Any], feature: Feature, length: int) -> np.ndarray:
+        import av
+
+        path = self.meta.video_path(ep, feature.key)
+        container = self._containers.get(path)
+        if container is None:
+            if not path.is_file():
+                raise LeRobotFormatError(f"{path}: missing (episode {ep['episode_index']} refers to it)")
+            try:
+                container = av.open(str(path))
+            except av.error.FFmpegError as error:
+                raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
+            self._containers[path] = container
+        stream = container.streams.video[0]
+        start = float(ep[f"videos/{feature.key}/from_timestamp"])
+        fps = self.meta.fps
+        first = round(start * fps)
+        out = np.empty((length, *feature.shape), dtype=np.uint8)
+        got = 0
+        try:
+            container.seek(int(start / stream.time_base), stream=stream, backward=True, any_frame=False)
+            for frame in container.decode(stream):
+                index = round(float(frame.pts * stream.time_base) * fps) - first
+                if index < 0:
+                    continue
+                if index >= length:
+                    break
+                image = frame.to_ndarray(format="rgb24")
+                if image.shape[:2] != feature.shape[1:]:
+                    raise LeRobotFormatError(
+                        f"{path}: frames are {image.shape[:2]}, info.json says {feature.shape[1:]}"
+                    )
+                out[index] = image.transpose(2, 0, 1)
+                got = index + 1
+        except av.error.FFmpegError as error:
+            raise LeRobotFormatError(f"{path}: decoding failed (truncated or damaged?): {error}") from error
+        if got != length:
+            raise LeRobotFormatError(
+                f"{path}: holds {got} of the {length} frames of episode {ep['episode_index']} (truncated?)"
+            )
+        return out
+
+    def close(self) -> None:
+        for container in self._containers.values():
+            container.close()
+        self._containers.clear()
+
+
+def _png(data: bytes, feature: Feature, path: Path) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        image = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    except Exception as error:
+        raise LeRobotFormatError(
+            f"{path}: column {feature.key!r} holds an unreadable image ({error})"
+        ) from error
+    return image.transpose(2, 0, 1)
+
+
+def payload_features(meta: DatasetMeta, key_map: KeyMap) -> list[Feature]:
+    """The dataset's payload features, named by the rule and ``key_map``."""
+    import pyarrow.parquet as pq
+
+    scalar: set[str] = set()
+    if meta.episodes:
+        path = meta.data_path(meta.episodes[0])
+        if not path.is_file():
+            raise LeRobotFormatError(f"{path}: missing (episode 0 refers to it)")
+        try:
+            schema = pq.read_schema(path)
+        except Exception as error:
+            raise LeRobotFormatError(
+                f"{path}: not a readable parquet file (truncated or damaged?): {error}"
+            ) from error
+        import pyarrow as pa
+
+        scalar = {name for name in schema.names if not pa.types.is_list(schema.field(name).type)
+                  and not pa.types.is_fixed_size_list(schema.field(name).type)}  # fmt: skip
+    key_map.check_known(meta.info["features"], str(meta.root / "meta" / "info.json"))
+    return features_from_info(meta.info, scalar, key_map, meta.root / "meta" / "info.json")

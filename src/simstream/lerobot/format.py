@@ -1,0 +1,317 @@
+"""The LeRobot dataset format v3.0 as files: paths, features, schemas, stats and atomic writes.
+
+Matches what lerobot 0.6.1 writes (``lerobot/datasets/``): ``meta/info.json``, ``meta/tasks.parquet`` (a
+pandas frame indexed by ``task``), ``meta/stats.json``, ``meta/episodes/chunk-XXX/file-YYY.parquet``,
+``data/chunk-XXX/file-YYY.parquet`` and ``videos/<key>/chunk-XXX/file-YYY.mp4``. simstream adds, as
+LeRobot allows, two per-frame int64 features (``subtask_index``, ``segment_id``), ``meta/subtasks.parquet``
+and per-episode columns ``success``, ``terminated``, ``truncated`` and ``segment_accepted``.
+
+pyarrow is imported inside the functions that need it: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..sources import Field
+from .names import BOOKKEEPING_KEYS, KeyMap
+
+__all__ = [
+    "CODEBASE_VERSION",
+    "EXTRA_KEYS",
+    "Feature",
+    "LeRobotFormatError",
+    "atomic_write_bytes",
+    "features_from_fields",
+    "info_features",
+]
+
+CODEBASE_VERSION = "v3.0"
+CHUNKS_SIZE = 1000
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+EXTRA_KEYS = ("subtask_index", "segment_id")
+"""simstream's per-frame columns: the subtask text (``meta/subtasks.parquet``) and the segment position."""
+QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
+VIDEO_CODEC, VIDEO_GOP, VIDEO_CRF, VIDEO_PRESET = "av1", 2, 30, 12
+"""LeRobot's defaults: AV1 (SVT-AV1 through PyAV), a key frame every 2 frames (cheap seeks), CRF 30."""
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+}
+_TORCH = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+class LeRobotFormatError(ValueError):
+    """A file is not what a LeRobot v3.0 dataset holds there (the message names the file)."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One payload feature: its LeRobot key, simstream field name and how it is stored."""
+
+    key: str
+    field: str
+    dtype: str
+    """``float32``, ``float64``, ``int64``, ``int32``, ``bool``, ``image`` or ``video``."""
+    shape: tuple[int, ...]
+    """LeRobot's shape: ``(1,)`` for a per-frame scalar, ``(3, H, W)`` for a camera."""
+    scalar: bool = False
+    """Stored as a plain column (LeRobot shape ``[1]``), read as ``Field(())``."""
+
+    @property
+    def visual(self) -> bool:
+        return self.dtype in ("image", "video")
+
+    def field_spec(self) -> Field:
+        if self.visual:
+            return Field(tuple(self.shape), torch.uint8)
+        return Field(() if self.scalar else tuple(self.shape), _TORCH[self.dtype])
+
+
+def features_from_fields(fields: dict[str, Field], key_map: KeyMap, video: bool) -> list[Feature]:
+    """LeRobot features of a source's fields: uint8 ``[3, H, W]`` fields are cameras.
+
+    Raises:
+        ValueError: a field LeRobot cannot hold (a dtype outside float32/64, int32/64, bool; a non-camera
+            field of more than one dimension), naming it.
+    """
+    key_map.check_known_fields(fields, "the source")
+    features = []
+    for name, field in fields.items():
+        key = key_map.feature(name)
+        if field.dtype == torch.uint8 and len(field.shape) == 3 and field.shape[0] == 3:
+            features.append(Feature(key, name, "video" if video else "image", field.shape))
+        elif field.dtype in _DTYPES and len(field.shape) <= 1:
+            shape = field.shape or (1,)
+            features.append(Feature(key, name, _DTYPES[field.dtype], shape, scalar=not field.shape))
+        else:
+            raise ValueError(
+                f"field {name!r} ({field.dtype}, shape {field.shape}) cannot be a LeRobot feature: use "
+                "float32/float64/int32/int64/bool with shape () or (n,), or uint8 [3, H, W] for a camera"
+            )
+    return features
+
+
+def info_features(features: list[Feature], fps: int) -> dict[str, Any]:
+    """``info.json["features"]``: the payload, LeRobot's bookkeeping columns and simstream's extras."""
+    out: dict[str, Any] = {}
+    for f in features:
+        if f.visual:
+            entry: dict[str, Any] = {
+                "dtype": f.dtype,
+                "shape": list(f.shape),
+                "names": ["channels", "height", "width"],
+            }
+            if f.dtype == "video":
+                c, h, w = f.shape
+                info = {"video.height": h, "video.width": w, "video.codec": VIDEO_CODEC,
+                        "video.pix_fmt": "yuv420p", "video.fps": fps, "video.channels": c, "has_audio": False,
+                        "video.g": VIDEO_GOP, "video.crf": VIDEO_CRF, "video.preset": VIDEO_PRESET,
+                        "video.fast_decode": 0, "video.video_backend": "pyav", "video.extra_options": {},
+                        "is_depth_map": False}  # fmt: skip
+                entry["info"] = info
+            out[f.key] = entry
+        else:
+            out[f.key] = {"dtype": f.dtype, "shape": list(f.shape), "names": None}
+    out["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
+    for key in (*BOOKKEEPING_KEYS[1:], *EXTRA_KEYS):
+        out[key] = {"dtype": "int64", "shape": [1], "names": None}
+    return out
+
+
+def features_from_info(
+    info: dict[str, Any], scalar_keys: set[str], key_map: KeyMap, path: Path
+) -> list[Feature]:
+    """Payload features of ``info.json`` (bookkeeping, extras and string features left out)."""
+    features = []
+    for key, spec in info["features"].items():
+        if key in BOOKKEEPING_KEYS or key in EXTRA_KEYS:
+            continue
+        dtype, shape = spec.get("dtype"), tuple(spec.get("shape") or ())
+        if dtype in ("image", "video"):
+            if len(shape) != 3:
+                raise LeRobotFormatError(
+                    f"{path}: feature {key!r} ({dtype}) must have a 3-D shape, got {shape}"
+                )
+            if shape[0] != 3 and shape[-1] == 3:  # [H, W, C] as some converters write it
+                shape = (3, shape[0], shape[1])
+            features.append(Feature(key, key_map.field(key), dtype, shape))
+        elif dtype in _TORCH and len(shape) == 1:
+            features.append(Feature(key, key_map.field(key), dtype, shape, scalar=key in scalar_keys))
+        # string, audio and multi-dimensional features are not payload fields: skipped
+    return features
+
+
+# -- stats ---------------------------------------------------------------------------------------------
+def episode_stats(values: np.ndarray, visual: bool) -> dict[str, np.ndarray]:
+    """LeRobot's per-episode stats of one feature (``min/max/mean/std/count/q01..q99``).
+
+    Cameras: per channel over (a sample of) the pixels, scaled to ``[0, 1]``, shaped ``[3, 1, 1]``.
+    """
+    count = np.array([len(values)], dtype=np.int64)
+    if visual:
+        step = max(1, len(values) // 32)
+        sample = values[::step, :, ::2, ::2].astype(np.float64) / 255.0  # [n, 3, h, w]
+        flat = sample.transpose(1, 0, 2, 3).reshape(3, -1)
+        shape = (3, 1, 1)
+        stats = {
+            "min": flat.min(1).reshape(shape),
+            "max": flat.max(1).reshape(shape),
+            "mean": flat.mean(1).reshape(shape),
+            "std": flat.std(1).reshape(shape),
+        }
+        quantiles = np.quantile(flat, QUANTILES, axis=1)
+        for q, row in zip(QUANTILES, quantiles):
+            stats[f"q{round(q * 100):02d}"] = row.reshape(shape)
+    else:
+        flat = values.reshape(len(values), -1).astype(np.float64)
+        stats = {"min": flat.min(0), "max": flat.max(0), "mean": flat.mean(0), "std": flat.std(0)}
+        quantiles = np.quantile(flat, QUANTILES, axis=0)
+        for q, row in zip(QUANTILES, quantiles):
+            stats[f"q{round(q * 100):02d}"] = row
+    stats["count"] = count
+    return stats
+
+
+STAT_NAMES = ("min", "max", "mean", "std", "count", "q01", "q10", "q50", "q90", "q99")
+
+
+def aggregate_stats(per_episode: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Stats over all episodes from per-episode stats (as LeRobot aggregates them).
+
+    ``mean`` is count-weighted; ``std`` combines within- and between-episode variance; quantiles are the
+    count-weighted mean of the episodes' quantiles.
+    """
+    counts = np.array([float(s["count"][0]) for s in per_episode])
+    weights = counts / counts.sum()
+
+    def weighted(name: str) -> np.ndarray:
+        return sum(w * np.asarray(s[name], dtype=np.float64) for w, s in zip(weights, per_episode))
+
+    mean = weighted("mean")
+    variance = sum(
+        w * (np.asarray(s["std"]) ** 2 + (np.asarray(s["mean"]) - mean) ** 2)
+        for w, s in zip(weights, per_episode)
+    )
+    out = {
+        "min": np.min([s["min"] for s in per_episode], axis=0),
+        "max": np.max([s["max"] for s in per_episode], axis=0),
+        "mean": mean,
+        "std": np.sqrt(variance),
+        "count": np.array([int(counts.sum())], dtype=np.int64),
+    }
+    for name in STAT_NAMES[5:]:
+        out[name] = weighted(name)
+    return out
+
+
+def stats_to_json(stats: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    return {key: {name: np.asarray(v).tolist() for name, v in s.items()} for key, s in stats.items()}
+
+
+# -- files ---------------------------------------------------------------------------------------------
+def temp_path(path: Path) -> Path:
+    """Where a file is written before its rename (hidden, and no LeRobot glob matches it)."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_file(tmp: Path, path: Path) -> None:
+    """fsync ``tmp``, rename it to ``path`` (atomic) and fsync the folder."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once: a reader sees the old file or the new, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    commit_file(tmp, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=4) + "\n").encode())
+
+
+def write_parquet(path: Path, table) -> None:
+    """Write a closed parquet file atomically."""
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    pq.write_table(table, tmp, compression="snappy")
+    commit_file(tmp, path)
+
+
+def language_table(texts: list[str], index_name: str, text_name: str):
+    """``tasks.parquet`` / ``subtasks.parquet``: a pandas frame indexed by its text, as LeRobot stores it."""
+    import pyarrow as pa
+
+    pandas_meta = {
+        "index_columns": [text_name],
+        "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
+                            "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
+        "columns": [
+            {"name": index_name, "field_name": index_name, "pandas_type": "int64", "numpy_type": "int64",
+             "metadata": None},
+            {"name": None, "field_name": text_name, "pandas_type": "unicode", "numpy_type": "object",
+             "metadata": None},
+        ],
+        "attributes": {},
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.3.3",
+    }  # fmt: skip
+    # LeRobot's file names the index column like the text; pandas restores the index from "field_name"
+    pandas_meta["columns"][1]["name"] = text_name
+    schema = pa.schema([(index_name, pa.int64()), (text_name, pa.string())]).with_metadata(
+        {"pandas": json.dumps(pandas_meta)}
+    )
+    return pa.table({index_name: np.arange(len(texts), dtype=np.int64), text_name: texts}, schema=schema)
+
+
+def hf_features(features: list[Feature]) -> dict[str, Any]:
+    """The ``huggingface`` schema metadata ``datasets`` writes beside the data columns."""
+    out: dict[str, Any] = {}
+    for f in features:
+        if f.dtype == "video":
+            continue
+        if f.dtype == "image":
+            out[f.key] = {"_type": "Image"}
+        elif f.scalar:
+            out[f.key] = {"dtype": f.dtype, "_type": "Value"}
+        else:
+            out[f.key] = {
+                "feature": {"dtype": f.dtype, "_type": "Value"},
+                "length": f.shape[0],
+                "_type": "List",
+            }
+    out["timestamp"] = {"dtype": "float32", "_type": "Value"}
+    for key in (*BOOKKEEPING_KEYS[1:], *EXTRA_KEYS):
+        out[key] = {"dtype": "int64", "_type": "Value"}
+    return {"info": {"features": out}}

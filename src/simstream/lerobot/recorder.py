@@ -1,0 +1,274 @@
+"""``LeRobotRecorder``: copy every episode the producers publish into a LeRobot v3.0 dataset.
+
+The recorder is a thread in the process that owns the engine. It reads published rows the way a sampler
+does (note the row's even seqlock version, copy, check the version again) but never inside
+``sample_batch``: it polls the eligibility index for rows whose published episode id is newer than what it
+recorded, copies them, and marks them recorded in the engine's :class:`~simstream.buffer.gate.RecordGate`.
+A producer that wants to overwrite a row it has not recorded yet waits (``on_full="wait"``, the default)
+or overwrites it and counts it as skipped (``on_full="skip"``); nothing is dropped silently. Encoding and
+file writes (pyarrow, PyAV) release the GIL, so a thread costs the trainer little (``BENCHMARKS.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .format import features_from_fields
+from .names import KeyMap
+from .writer import DatasetWriter, EpisodeRecord
+
+__all__ = ["LeRobotRecorder"]
+
+logger = logging.getLogger(__name__)
+_POLL_S = 0.002
+_METADATA = ("task_index", "subtask_index", "segment_id", "segment_accepted", "terminated", "truncated")
+
+
+class LeRobotRecorder:
+    """Record the episodes an engine publishes into the dataset at ``root`` (created, or appended to).
+
+    Owns a :class:`~simstream.lerobot.writer.DatasetWriter` and its thread. Episodes are written in
+    groups of ``flush_every`` (or whatever is pending after ``flush_interval_s``) as closed files;
+    :attr:`episodes_flushed` counts what is on disk and survives a SIGKILL.
+
+    Args:
+        engine: An ``OnlineDataEngine`` (created; start the recorder before ``engine.start()`` to record
+            the first generation too).
+        root: Dataset folder.
+        fps: Frames per second; default the source spec's ``fps`` (the built-in tasks: 20).
+        video: Cameras (uint8 ``[3, H, W]`` fields) as AV1 video (default) or PNG images.
+        key_map: ``{lerobot_key: field_name}`` overrides of the naming rule.
+        max_episodes: Stop recording after this many (then producers run freely).
+        only_success: Record only episodes whose last frame is not truncated; the others are counted.
+        on_full: ``"wait"``: producers wait for the recorder; ``"skip"``: they overwrite and count.
+        flush_every: Episodes per group of files.
+        flush_interval_s: Flush a smaller group after this long.
+
+    Examples:
+        >>> engine = OnlineDataEngine(cfg)  # doctest: +SKIP
+        >>> with LeRobotRecorder(engine, "datasets/run1") as recorder, engine:  # doctest: +SKIP
+        ...     engine.sample_batch(32, 16)
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        root: Path | str,
+        *,
+        fps: int | None = None,
+        video: bool = True,
+        key_map: dict[str, str] | None = None,
+        max_episodes: int | None = None,
+        only_success: bool = False,
+        on_full: str = "wait",
+        flush_every: int = 8,
+        flush_interval_s: float = 2.0,
+        robot_type: str | None = None,
+    ) -> None:
+        spec = engine.cfg.source
+        fps = getattr(spec, "fps", None) if fps is None else fps
+        if fps is None:
+            raise ValueError(
+                f"LeRobotRecorder.fps: the source spec {type(spec).__name__} has no fps attribute; pass fps="
+            )
+        if type(fps) is not int or fps < 1:
+            raise ValueError(f"LeRobotRecorder.fps must be an int >= 1, got {fps!r}")
+        if on_full not in ("wait", "skip"):
+            raise ValueError(f"LeRobotRecorder.on_full must be 'wait' or 'skip', got {on_full!r}")
+        if max_episodes is not None and (type(max_episodes) is not int or max_episodes < 1):
+            raise ValueError(
+                f"LeRobotRecorder.max_episodes must be an int >= 1 or None, got {max_episodes!r}"
+            )
+        if type(flush_every) is not int or flush_every < 1:
+            raise ValueError(f"LeRobotRecorder.flush_every must be an int >= 1, got {flush_every!r}")
+        self.engine = engine
+        self._shared = engine._shared
+        self.features = features_from_fields(dict(spec.fields()), KeyMap(key_map), video)
+        self.writer = DatasetWriter(root, self.features, fps, robot_type)
+        self.root = self.writer.root
+        self.max_episodes = max_episodes
+        self.only_success = only_success
+        self.on_full = on_full
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self.episodes_recorded = 0
+        """Episodes copied out of the buffer (flushed or pending)."""
+        self.episodes_filtered = 0
+        """Episodes left out by ``only_success``."""
+        self._base = self.writer.episodes_flushed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._flushed = threading.Condition()
+
+    # -- public ---------------------------------------------------------------------------------------
+    @property
+    def episodes_flushed(self) -> int:
+        """Episodes of this recording committed to disk (they survive a SIGKILL)."""
+        return self.writer.episodes_flushed - self._base
+
+    @property
+    def episodes_skipped(self) -> int:
+        """Published episodes producers overwrote before the recorder copied them (``on_full="skip"``)."""
+        return self._shared.record_gate.total_skipped()
+
+    @property
+    def bytes_written(self) -> int:
+        return self.writer.bytes_written
+
+    @property
+    def done(self) -> bool:
+        """``max_episodes`` recorded."""
+        return self.max_episodes is not None and self.episodes_recorded >= self.max_episodes
+
+    def wait_flushed(self, count: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until ``count`` episodes of this recording are flushed (or it failed)."""
+        with self._flushed:
+            return self._flushed.wait_for(
+                lambda: self.episodes_flushed >= count or self._error is not None or self._stopped, timeout_s
+            )
+
+    def start(self) -> LeRobotRecorder:
+        """Attach to the engine's record gate and start copying."""
+        if self._thread is not None:
+            raise RuntimeError("LeRobotRecorder.start() was already called")
+        self._shared.record_gate.attach(self.on_full)
+        self._thread = threading.Thread(target=self._run, name="lerobot-recorder", daemon=True)
+        self._thread.start()
+        return self
+
+    def check(self) -> None:
+        """Raise the recorder thread's failure, if any."""
+        if self._error is not None:
+            raise self._error
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Copy what is published, flush it, detach; raises the thread's failure if there was one.
+
+        Producers stop waiting for the recorder from here on. Raises ``TimeoutError`` when the thread does
+        not finish within ``timeout_s`` (it keeps running as a daemon; what it flushed stays valid).
+        """
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"LeRobotRecorder.close: the recorder thread did not finish in {timeout_s} s"
+                )
+        self._shared.record_gate.detach()
+        self.check()
+
+    def __enter__(self) -> LeRobotRecorder:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # -- thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            last_flush = time.monotonic()
+            while True:
+                stopping = self._stop.is_set()  # read before the scan: a final pass sees everything published
+                copied = 0 if self.done else self._copy_published()
+                if self.done:
+                    self._shared.record_gate.detach()  # producers run freely past the requested count
+                pending = self.writer.pending
+                due = time.monotonic() - last_flush >= self.flush_interval_s
+                if pending >= self.flush_every or (pending and (stopping or self.done or due)):
+                    self._flush()
+                    last_flush = time.monotonic()
+                if stopping:
+                    return
+                if not copied:
+                    if self._shared.channel.error() is not None:  # the engine failed: keep what was copied
+                        self._flush()
+                        return
+                    self._stop.wait(_POLL_S)
+        except BaseException as error:  # surfaced by check() / close()
+            self._error = error
+            logger.exception("LeRobot recorder failed")
+        finally:
+            self._shared.record_gate.detach()  # no producer may wait on a recorder that is gone
+            with self._flushed:
+                self._stopped = True
+                self._flushed.notify_all()
+
+    def _flush(self) -> None:
+        self.writer.flush()
+        with self._flushed:
+            self._flushed.notify_all()
+
+    def _copy_published(self) -> int:
+        index, gate = self._shared.index, self._shared.record_gate
+        ids = index.episode_id.numpy()
+        pending = np.flatnonzero((ids >= 0) & (ids > gate.recorded.numpy()))
+        if not len(pending):
+            return 0
+        copied = 0
+        for row in pending[np.argsort(ids[pending], kind="stable")]:
+            if self.done:
+                break
+            record = self._copy_row(int(row))
+            if record is None:
+                continue
+            episode_id, episode = record
+            gate.mark_recorded(int(row), episode_id)
+            copied += 1
+            if self.only_success and not episode.success:
+                self.episodes_filtered += 1
+                continue
+            self.writer.add(episode)
+            self.episodes_recorded += 1
+        return copied
+
+    def _copy_row(self, row: int) -> tuple[int, EpisodeRecord] | None:
+        """Copy one published row under its seqlock; ``None`` when it changed meanwhile (skip mode)."""
+        storage, index, language = self._shared.storage, self._shared.index, self._shared.language
+        version = int(index.version[row])
+        episode_id = int(index.episode_id[row])
+        if version & 1 or episode_id < 0:
+            return None
+        length = int(index.valid_frames[row])
+        view = storage.rows_view(row, row + 1, payload_only=True)
+        frames = {f.field: view[tuple(f.field.split("/"))][0, :length].numpy().copy() for f in self.features}
+        meta = {name: storage.metadata(name)[row, :length].numpy().copy() for name in _METADATA}
+        if int(index.version[row]) != version or int(index.episode_id[row]) != episode_id:
+            return None
+        if not length:
+            return None
+        task = language.resolve(torch_scalar(meta["task_index"][0]), kind="task")
+        subtask_ids = meta["subtask_index"]
+        texts = {int(i): language.resolve(torch_scalar(i), kind="subtask") for i in np.unique(subtask_ids)}
+        segment_id = meta["segment_id"]
+        count = int(segment_id.max()) + 1 if length else 0
+        accepted = [True] * count
+        for k in range(count):
+            hits = np.flatnonzero(segment_id == k)
+            if len(hits):
+                accepted[k] = bool(meta["segment_accepted"][hits[0]])
+        truncated = bool(meta["truncated"][-1])
+        episode = EpisodeRecord(
+            frames=frames,
+            task=task,
+            subtasks=[texts[int(i)] for i in subtask_ids],
+            segment_id=segment_id,
+            segment_accepted=accepted,
+            success=not truncated,
+            terminated=bool(meta["terminated"][-1]),
+            truncated=truncated,
+        )
+        return episode_id, episode
+
+
+def torch_scalar(value: Any):
+    import torch
+
+    return torch.tensor(int(value))
