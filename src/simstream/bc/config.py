@@ -42,6 +42,10 @@ class DemoConfig:
     """Producer processes running the simulator and the scripted expert."""
     refill_threshold: int = 0
     """New generation after ``refill_threshold * buffer_size`` sampled contexts; 0 refills continuously."""
+    record: Path | None = None
+    """Record the live stream into this LeRobot v3.0 dataset while training (``docs/lerobot.md``)."""
+    dataset: Path | None = None
+    """Train from this LeRobot v3.0 dataset, replayed through the engine, instead of live simulation."""
 
     # training
     steps: int = 12000

@@ -26,6 +26,7 @@ from .config import DemoConfig
 from .data import InstructionTable
 from .evaluate import EvalResult, eval_seeds, evaluate_policy
 from .policy import ChunkPolicy
+from .recording import demo_recorder, demo_source
 from .report import write_plots, write_report
 from .text import HashedTextEmbedding
 from .train import TrainingLog, fit_normalizer, train_policy
@@ -115,6 +116,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.runs_dir) / name
     source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
+    source = demo_source(cfg, source)  # --dataset: a LeRobot dataset replayed instead
     engine_cfg = OnlineDataEngineCfg(
         source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
         refill_threshold=cfg.refill_threshold, seed=cfg.seed,
@@ -129,6 +131,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     try:
         engine = OnlineDataEngine(engine_cfg)
+        recorder = demo_recorder(engine, cfg)  # --record: the live stream into a LeRobot dataset
         try:
             startup_s = start_with_progress(
                 engine, cfg.buffer_size, timeout_s=engine_cfg.initialization_timeout
@@ -147,6 +150,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             stats = engine.get_stats()
         finally:
             engine.stop()
+            if recorder is not None:
+                recorder.close()  # flushes every episode published before the stop
         checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
         result, eval_s = _final_eval(checkpoint, cfg.eval_episodes)
         writer.add_scalar("eval/final_success_rate", result.success_rate, log.steps_done)

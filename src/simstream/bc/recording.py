@@ -1,0 +1,37 @@
+"""The demo and LeRobot datasets: ``--record DIR`` records the live stream, ``--dataset DIR`` replays one.
+
+Recording runs beside training: a :class:`~simstream.lerobot.LeRobotRecorder` thread copies every episode
+the producers publish (producers wait for it if it falls behind; the trainer never does). Replaying builds
+a :class:`~simstream.lerobot.LeRobotSpec` holding the fields the live source would have had, so the same
+engine, sampler and policy train from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["demo_recorder", "demo_source"]
+
+
+def demo_source(cfg: Any, live_source: Any) -> Any:
+    """``live_source``, or with ``cfg.dataset`` the dataset's episodes with the same field names.
+
+    Raises:
+        ValueError: naming the dataset file that is wrong, or the fields it lacks.
+    """
+    if getattr(cfg, "dataset", None) is None:
+        return live_source
+    from simstream.lerobot import LeRobotSpec
+
+    return LeRobotSpec(cfg.dataset, fields_subset=tuple(live_source.fields()))
+
+
+def demo_recorder(engine: Any, cfg: Any) -> Any:
+    """With ``cfg.record``, a started recorder of ``engine``'s published episodes (close it after stop)."""
+    if getattr(cfg, "record", None) is None:
+        return None
+    from simstream.lerobot import LeRobotRecorder
+
+    recorder = LeRobotRecorder(engine, cfg.record)
+    print(f"recording the live stream into {recorder.root} (LeRobot v3.0)", flush=True)
+    return recorder.start()
