@@ -83,6 +83,11 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
         (["--steps", "0"], "DemoConfig.steps must be an int >= 1, got 0"),
         (["--seed", str(2**63)], f"DemoConfig.seed must be an int in [0, {2**63 - 1}], got {2**63}"),
         (["--max-episode-steps", "50"], "DemoConfig.max_episode_steps must be an int >= 100, got 50"),
+        (
+            ["--ray-address", "auto"],
+            "DemoConfig.ray_address must be None unless backend is 'ray', got 'auto'",
+        ),
+        (["--backend", "ray", "--ray-address", " "], "DemoConfig.ray_address must be None or a nonempty"),
     ],
 )
 def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):
@@ -108,6 +113,10 @@ def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, 
     [
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
         (["--task", "nosuch"], "nosuch"),
+        (
+            ["--ray-address", "auto"],
+            "StreamArgs.ray_address must be None unless backend is 'ray', got 'auto'",
+        ),
     ],
 )
 def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):

@@ -96,7 +96,11 @@ def test_quotas_and_the_sample_threshold_policy(cluster):
         snapshot = engine.get_sampling_budget_snapshot()
         assert snapshot["unlocked_remaining_chunks"] == 8
         engine.sample_batch(8, 5)
-    with OnlineDataEngine(ray_cfg(refill_policy="sample_threshold", refill_threshold=1)) as engine:
+    spec = ScriptedSpec(num_envs=1, segments=SEGMENTS)  # two windows per producer, both in one call
+    backend = RayBackend(resources={"sim": 1}, windows_per_call=2)
+    with OnlineDataEngine(
+        ray_cfg(spec, backend, refill_policy="sample_threshold", refill_threshold=1)
+    ) as engine:
         # every buffer_size chunks ask for a generation; the actors deliver it
         engine.sample_batch(4, 5)
         wait_for(lambda: engine.get_stats()["completed_generation"] >= 2, "a threshold refill")
@@ -220,3 +224,36 @@ def test_owner_killed_leaves_no_actor_running(cluster):
         owner.kill()
         owner.wait(30)
         owner.stdout.close()
+
+
+def test_stream_command_runs_its_producers_as_ray_actors(cluster):
+    import ray
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    command = [sys.executable, "-m", "simstream", "stream", "--backend", "ray", "--seconds", "1"]
+    command += ["--num-workers", "1", "--buffer-size", "8", "--batch-size", "4", "--chunk-size", "4"]
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 producer(s) as Ray actors" in result.stdout and "batches/s" in result.stdout
+
+
+def test_sim_node_lost_and_added_again(cluster):
+    """Last in the module: it replaces the cluster's sim node."""
+    ray_cluster, sim_node = cluster
+    backend = RayBackend(resources={"sim": 1}, max_restarts=2, restart_delay_s=0.0)
+    with OnlineDataEngine(ray_cfg(backend=backend)) as engine:
+        ray_cluster.remove_node(sim_node)
+        generation = engine.request_refill()  # its calls find the actors gone
+        wait_for(
+            lambda: all(p["restarts"] == 1 for p in engine.get_stats()["producers"]),
+            "both producers to notice the lost node and ask for new actors",
+        )
+        new_node = ray_cluster.add_node(
+            num_cpus=SIM_CPUS, resources={"sim": SIM_CPUS}, object_store_memory=200 * 2**20
+        )
+        engine.wait_for_generation(generation, timeout=120)
+        producers = engine.get_stats()["producers"]
+        assert [p["node_id"] for p in producers] == [new_node.node_id] * 2
+        assert [p["restarts"] for p in producers] == [1, 1]
+        assert_chunks_are_consecutive_frames_of_one_episode(engine.sample_batch(32, 6))

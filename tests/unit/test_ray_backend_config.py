@@ -51,6 +51,9 @@ _BAD_FIELDS = [
         "calls_in_flight", 65, r"RayBackend\.calls_in_flight must be an int in \[1, 64\]", id="flight-65"
     ),
     pytest.param(
+        "windows_per_call", 0, r"RayBackend\.windows_per_call must be an int in \[1, 1024\]", id="per-call-0"
+    ),
+    pytest.param(
         "restart_delay_s", -1, r"RayBackend\.restart_delay_s must be a number in \[0, 3600\]", id="delay"
     ),
     pytest.param(

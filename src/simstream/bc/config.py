@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
@@ -42,6 +43,12 @@ class DemoConfig:
     """Producer processes running the simulator and the scripted expert."""
     refill_threshold: int = 0
     """New generation after ``refill_threshold * buffer_size`` sampled contexts; 0 refills continuously."""
+    backend: Literal["local", "ray"] = "local"
+    """Where producers run: ``local`` processes, or ``ray`` actors anywhere in a Ray cluster
+    (``docs/scale-out.md``)."""
+    ray_address: str | None = None
+    """With ``--backend ray``: the cluster to join (``auto``, ``host:port``); default: the one in
+    ``RAY_ADDRESS``, else a Ray instance started on this machine."""
     record: Path | None = None
     """Record the live stream into this LeRobot v3.0 dataset while training (``docs/lerobot.md``)."""
     dataset: Path | None = None
@@ -100,6 +107,7 @@ class DemoConfig:
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
         require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
+        self.engine_backend  # noqa: B018  (validates backend and ray_address)
         for name in ("lr", "time_limit_s"):
             require_number("DemoConfig", name, getattr(self, name), 0, low_open=True)
         require_number("DemoConfig", "weight_decay", self.weight_decay, 0)
@@ -122,6 +130,13 @@ class DemoConfig:
         get_task(self.task)
         self.policy_config  # noqa: B018  (validates the policy fields)
         self.rollout_config  # noqa: B018
+
+    @property
+    def engine_backend(self):
+        """The engine's ``backend``: ``None`` (local processes) or a :class:`simstream.ray.RayBackend`."""
+        from simstream.ray.backend import backend_from_flags
+
+        return backend_from_flags("DemoConfig", self.backend, self.ray_address)
 
     @property
     def policy_config(self) -> PolicyConfig:

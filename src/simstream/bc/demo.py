@@ -119,15 +119,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     source = demo_source(cfg, source)  # --dataset: a LeRobot dataset replayed instead
     engine_cfg = OnlineDataEngineCfg(
         source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
-        refill_threshold=cfg.refill_threshold, seed=cfg.seed,
+        refill_threshold=cfg.refill_threshold, seed=cfg.seed, backend=cfg.engine_backend,
     )  # fmt: skip
     engine_cfg.validate()  # a bad setting fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     policy, embedding = ChunkPolicy(cfg.policy_config), HashedTextEmbedding(cfg.text_dim)
-    print(f"simstream demo: {cfg.task}, {cfg.num_workers} producers, buffer {cfg.buffer_size} episodes -> "
-          f"{run_dir}", flush=True)  # fmt: skip
+    where = " (Ray actors)" if cfg.backend == "ray" else ""
+    print(f"simstream demo: {cfg.task}, {cfg.num_workers} producers{where}, buffer {cfg.buffer_size} "
+          f"episodes -> {run_dir}", flush=True)  # fmt: skip
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     try:
         engine = OnlineDataEngine(engine_cfg)

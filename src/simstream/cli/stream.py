@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -28,11 +29,19 @@ class StreamArgs:
     chunk_size: int = 16
     refill_threshold: int = 0
     """Refill after ``refill_threshold * buffer_size`` chunks; 0 keeps producers refilling continuously."""
+    backend: Literal["local", "ray"] = "local"
+    """Where producers run: ``local`` processes or ``ray`` actors (``docs/scale-out.md``)."""
+    ray_address: str | None = None
+    """With ``--backend ray``: the cluster to join (``auto``, ``host:port``); default: ``RAY_ADDRESS``,
+    else a Ray instance started on this machine."""
 
 
 def run_stream(args: StreamArgs) -> dict[str, float]:
     """Run the example; returns the measured rates."""
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
+    from simstream.ray.backend import backend_from_flags
+
+    backend = backend_from_flags("StreamArgs", args.backend, args.ray_address)
 
     if args.task is None:
         from simstream.synthetic import SyntheticSpec
@@ -47,9 +56,11 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         buffer_size=args.buffer_size,
         num_workers=args.num_workers,
         refill_threshold=args.refill_threshold,
+        backend=backend,
     )
     torch.set_num_threads(1)
-    print(f"starting {args.num_workers} producer(s) on {type(source).__name__} ...", flush=True)
+    where = " as Ray actors" if backend is not None else ""
+    print(f"starting {args.num_workers} producer(s){where} on {type(source).__name__} ...", flush=True)
     began = time.monotonic()
     with OnlineDataEngine(cfg) as engine:
         print(f"first generation of {args.buffer_size} episodes ready in {time.monotonic() - began:.1f} s")

@@ -117,7 +117,7 @@ class EngineLifecycle:
         if cfg.backend is not None:  # Ray actors, fed into this process's buffer by an ingest thread
             from ..ray.ingest import RayProducers
 
-            self._supervisor = RayProducers(shared, cfg, self._spec_bytes, self._num_envs)
+            self._supervisor = RayProducers(shared, cfg, self._num_envs)
             _running_engines.add(self)
             self._supervisor.start()
             shared.request_generation()

@@ -81,28 +81,35 @@ class ProducerActor:
             self._source = spec.build(self._worker_index, self._seed)
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def generate(self, number: int) -> WindowPayload | None:
-        """Roll out window ``number`` of a generation; ``None`` once :meth:`stop` or :meth:`close` ran."""
-        if self._stop.is_set() or self._source is None:
-            return None
-        self._reset()
-        with _picklable_errors():
-            window = generate_window(
-                self._source,
-                self._rows,
-                number=number,
-                max_steps=self._max_steps,
-                attempts=self._attempts,
-                should_stop=self._stop.is_set,
-                reset=self._reset,
-            )
-        if window is None:
-            return None
-        used = max((episode.length for episode in window.episodes), default=0)
-        frames = {
-            name: np.ascontiguousarray(self._rows.get(path)[:, :used].numpy()) for name, path in self._names
-        }
-        return WindowPayload(window, frames)
+    def generate(self, number: int, count: int = 1) -> list[WindowPayload]:
+        """Roll out windows ``number .. number + count - 1`` of a generation, in order.
+
+        Returns fewer (down to none) only once :meth:`stop` or :meth:`close` ran.
+        """
+        windows = []
+        for offset in range(count):
+            if self._stop.is_set() or self._source is None:
+                break
+            self._reset()
+            with _picklable_errors():
+                window = generate_window(
+                    self._source,
+                    self._rows,
+                    number=number + offset,
+                    max_steps=self._max_steps,
+                    attempts=self._attempts,
+                    should_stop=self._stop.is_set,
+                    reset=self._reset,
+                )
+            if window is None:
+                break
+            used = max((episode.length for episode in window.episodes), default=0)
+            frames = {
+                name: np.ascontiguousarray(self._rows.get(path)[:, :used].numpy())
+                for name, path in self._names
+            }
+            windows.append(WindowPayload(window, frames))
+        return windows
 
     def stop(self) -> None:
         """Make a rollout in progress (and every later call) return early. Runs in the ``control`` group,

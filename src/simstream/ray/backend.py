@@ -13,6 +13,7 @@ __all__ = ["MAX_CALLS_IN_FLIGHT", "MAX_RESTARTS", "RayBackend", "RayProducerErro
 
 MAX_RESTARTS = 10_000
 MAX_CALLS_IN_FLIGHT = 64
+MAX_WINDOWS_PER_CALL = 1024
 MAX_ACTOR_CPUS = 1024
 MAX_WAIT_S = 1e6
 _OWNER = "RayBackend"
@@ -58,6 +59,10 @@ class RayBackend:
     calls_in_flight: int = 2
     """Windows requested from one actor ahead of the one being ingested, in ``[1, 64]``: enough to keep
     the actor busy while a finished window travels, bounded so that idle producers stay idle."""
+    windows_per_call: int = 1
+    """Windows one call generates and returns together, in ``[1, 1024]``. Each call costs the trainer a
+    fixed amount of Ray overhead (about a millisecond); raise it for sources whose windows take far less
+    than that to simulate, so that one trainer absorbs more of them (``BENCHMARKS.md``)."""
     restart_delay_s: float = 1.0
     """Seconds between losing an actor and starting its replacement, in ``[0, 3600]``."""
     runtime_env: Mapping[str, object] | None = None
@@ -110,6 +115,7 @@ class RayBackend:
         require_number(_OWNER, "call_timeout_s", self.call_timeout_s, 0, MAX_WAIT_S, low_open=True)
         require_number(_OWNER, "start_timeout_s", self.start_timeout_s, 0, MAX_WAIT_S, low_open=True)
         require_int(_OWNER, "calls_in_flight", self.calls_in_flight, 1, MAX_CALLS_IN_FLIGHT)
+        require_int(_OWNER, "windows_per_call", self.windows_per_call, 1, MAX_WINDOWS_PER_CALL)
         require_number(_OWNER, "restart_delay_s", self.restart_delay_s, 0, 3600)
         require(
             self.runtime_env is None or isinstance(self.runtime_env, Mapping),

@@ -3,7 +3,8 @@
 :class:`RayProducers` stands where :class:`~simstream.workers.supervisor.WorkerSupervisor` stands for
 local processes (``start``, ``dead_workers``, ``shutdown``). One ingest thread in the owner drives every
 actor: it asks an actor for a window only while the engine's requested generation is ahead of what that
-producer completed (idle producers stay idle), keeps at most ``calls_in_flight`` calls per actor, and
+producer completed (idle producers stay idle), keeps at most ``calls_in_flight`` calls of
+``windows_per_call`` windows each per actor, and
 waits on Ray with ``ray.wait`` in short slices, holding no lock meanwhile. A window that arrives is
 published with :class:`~simstream.engine.publisher.WindowPublisher`: claim, copy the payload in, write,
 publish, exactly as a local producer does; the thread is the single writer of its producers' progress
@@ -51,6 +52,8 @@ _JOIN_S = 5.0
 class _Call:
     ref: object
     number: int
+    """The first window of the call; it covers ``number .. number + count - 1`` of one generation."""
+    count: int
     generation: int
 
 
@@ -85,15 +88,16 @@ class RayProducers:
     Args:
         shared: The engine's shared objects.
         cfg: The engine config (``cfg.backend`` is a :class:`RayBackend`).
-        spec_bytes: The pickled ``SourceSpec``.
         num_envs: Rows per window.
     """
 
-    def __init__(self, shared: EngineShared, cfg: OnlineDataEngineCfg, spec_bytes: bytes, num_envs: int):
+    def __init__(self, shared: EngineShared, cfg: OnlineDataEngineCfg, num_envs: int):
         self._shared = shared
         self._cfg = cfg
         self._backend: RayBackend = cfg.backend
-        self._spec_bytes = spec_bytes
+        # cloudpickle: a spec class defined in the user's script (__main__) travels by value, since the
+        # actors' processes never ran that script; local producers are forked from it and need not
+        self._spec_bytes = ray.cloudpickle.dumps(cfg.source)
         self._num_envs = num_envs
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +108,8 @@ class RayProducers:
             for worker, (start, end) in enumerate(cfg.worker_row_ranges(num_envs))
         ]
         self._publishers = [WindowPublisher(shared, p.index, self._closing) for p in self._producers]
+        self._payload_views: dict[int, dict[str, np.ndarray | torch.Tensor]] = {}
+        """Window start -> field name -> the window's rows ``[num_envs, T, ...]`` (built once per window)."""
 
     # -- the supervisor's interface ------------------------------------------------------------------
     def start(self) -> None:
@@ -250,13 +256,14 @@ class RayProducers:
         if producer.build_ref is not None:
             return
         requested = self._shared.progress.requested_generation
-        limit = self._backend.calls_in_flight
+        limit, per_call = self._backend.calls_in_flight, self._backend.windows_per_call
         while len(producer.calls) < limit and producer.next_generation <= requested:
             if not producer.calls:
                 producer.head_since = now
-            ref = producer.actor.generate.remote(producer.next_number)
-            producer.calls.append(_Call(ref, producer.next_number, producer.next_generation))
-            producer.next_number += 1
+            count = min(per_call, len(producer.starts) - producer.next_number)
+            ref = producer.actor.generate.remote(producer.next_number, count)
+            producer.calls.append(_Call(ref, producer.next_number, count, producer.next_generation))
+            producer.next_number += count
             if producer.next_number == len(producer.starts):
                 producer.next_generation, producer.next_number = producer.next_generation + 1, 0
 
@@ -278,21 +285,20 @@ class RayProducers:
             return
         call = producer.calls.popleft()
         producer.head_since = now
-        if value is None:  # the actor is closing
-            return
         try:
-            self._publish(producer, call, value)
+            for offset, payload in enumerate(value):  # fewer than asked only when the actor is closing
+                self._publish(producer, call.number + offset, call.generation, payload)
         except Closing:
             raise
         except Exception as error:  # e.g. a reported frame left unwritten: fails the engine, as locally
             self._shared.channel.publish(error, producer.label)
             raise Closing from None
 
-    def _publish(self, producer: _Producer, call: _Call, payload: WindowPayload) -> None:
+    def _publish(self, producer: _Producer, number: int, generation: int, payload: WindowPayload) -> None:
         progress = self._shared.progress
-        if call.number == 0:
+        if number == 0:
             producer.began_ns = time.monotonic_ns()
-        start = producer.starts[call.number]
+        start = producer.starts[number]
         end = start + self._num_envs
         publisher = self._publishers[producer.index]
         if payload.window.failed_episodes:
@@ -300,15 +306,29 @@ class RayProducers:
         try:
             if not publisher.begin(start, end):
                 raise Closing
-            rows = self._shared.storage.rows_view(start, end, payload_only=True)
+            targets = self._targets(start, end)
             for name, frames in payload.frames.items():
-                _copy_into(rows.get(tuple(name.split("/")))[:, : frames.shape[1]], frames)
-            publisher.finish(start, end, payload.window, call.generation)
+                _copy_into(targets[name][:, : frames.shape[1]], frames)
+            publisher.finish(start, end, payload.window, generation)
         finally:
             publisher.abandon()
-        if call.number == len(producer.starts) - 1:
+        if number == len(producer.starts) - 1:
             progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - producer.began_ns)
-            progress.set_worker_completed(producer.index, call.generation)
+            progress.set_worker_completed(producer.index, generation)
+
+    def _targets(self, start: int, end: int) -> dict[str, np.ndarray | torch.Tensor]:
+        views = self._payload_views.get(start)
+        if views is None:
+            rows = self._shared.storage.rows_view(start, end, payload_only=True)
+            views = {}
+            for spec in self._shared.storage.iter_specs(payload=True):
+                tensor = rows.get(spec.path)
+                try:
+                    views[spec.name] = tensor.numpy()
+                except TypeError:  # a dtype NumPy lacks (bfloat16)
+                    views[spec.name] = tensor
+            self._payload_views[start] = views
+        return views
 
     def _lost(self, producer: _Producer, error: BaseException) -> None:
         first = producer.calls[0] if producer.calls else None
@@ -366,11 +386,11 @@ class RayProducers:
         raise Closing
 
 
-def _copy_into(target: torch.Tensor, frames: np.ndarray) -> None:
+def _copy_into(target: np.ndarray | torch.Tensor, frames: np.ndarray) -> None:
     """Copy a received (read-only, zero-copy) array into shared rows."""
-    try:
-        np.copyto(target.numpy(), frames)
-    except TypeError:  # a dtype NumPy lacks (bfloat16): through torch, from a writable copy
+    if isinstance(target, np.ndarray):
+        np.copyto(target, frames)
+    else:  # through torch, from a writable copy
         target.copy_(torch.from_numpy(frames.copy()))
 
 

@@ -1,0 +1,299 @@
+"""Ray backend throughput (issue 17): production, ingest capacity and sampling while ingesting.
+
+Run inside a private network namespace, where Ray binds to 127.0.0.1 only::
+
+    unshare -n sh -c 'ip link set lo up && exec .venv/bin/python benchmarks/ray_producers.py'
+
+(``--quick``: a smoke configuration whose figures mean nothing). Three measurements, ratios from one run:
+
+* **production**: the built-in ``pick_place`` task (CPU-bound MuJoCo and its scripted expert), one local
+  producer process against one Ray actor on the same machine, without and with a 64x64 camera.
+* **ingest capacity**: a source that costs nothing (payloads the size of ``pick_place`` episodes: 53
+  float32 per frame, 60-80 frames, optionally a 3x64x64 uint8 camera) in ``--actors`` actors; the engine's
+  published episodes/s against a bare Ray pull loop (the same payloads returned by value from the same
+  number of actors, ``ray.wait``, copied into shared tensors of the same layout, no engine). One node
+  (``ray.init``) and two nodes (``ray.cluster_utils.Cluster``, actors pinned to the second node, so every
+  window crosses Ray's object transfer). "Simulation cores one trainer can absorb" is the engine's
+  ingest rate divided by one core's ``pick_place`` episodes/s from the production section.
+* **sampling**: ``sample_batch`` calls/s while the ingest runs at full rate, against the same engine idle.
+
+Candidates run in interleaved rounds; tables print the median of the rounds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
+
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+
+import numpy as np
+import torch
+import tyro
+
+from _timing import Table, call_rate, check, print_header, ratio, set_single_thread
+from _workload import ContinuousPublication
+from simstream import Episode, Field, OnlineDataEngine, OnlineDataEngineCfg, Segment
+from simstream.ray import RayBackend
+
+
+@dataclass(frozen=True)
+class Args:
+    """Ray producers benchmark (defaults: about 6 minutes on 2 vCPUs)."""
+
+    quick: bool = False
+    """Sub-second rounds: checks that everything runs, figures are meaningless."""
+    rounds: int = 2
+    seconds: float = 8.0
+    """Measurement time per candidate per round."""
+    actors: int = 2
+    """Actors of the ingest-capacity section (and bare pull loop)."""
+    rows: int = 64
+    """Buffer rows per producer: one generation is this many episodes each."""
+    windows_per_call: tuple[int, ...] = (1, 8)
+    """``RayBackend.windows_per_call`` values of the ingest section (the bare loop returns as many)."""
+    sections: tuple[str, ...] = ("production", "ingest", "sampling")
+
+    def effective(self) -> Args:
+        return replace(self, rounds=1, seconds=0.5, rows=8) if self.quick else self
+
+
+@dataclass(frozen=True)
+class ZeroCostSpec:
+    """Episodes of ``pick_place``'s size that cost nothing to make: 53 float32 per frame (optionally a
+    3x64x64 uint8 camera), 60-80 frames, two segments with instructions; every rollout copies the same
+    precomputed frames into its rows (one memcpy) and reports the same episodes."""
+
+    image: bool = False
+    num_envs: int = 1
+    max_episode_steps: int = 80
+
+    def fields(self) -> dict[str, Field]:
+        fields = {"obs/state": Field((44,)), "actions": Field((8,)), "rewards": Field(())}
+        if self.image:
+            fields["obs/image"] = Field((3, 64, 64), torch.uint8)
+        return fields
+
+    def build(self, worker_index: int, seed: int) -> _ZeroCostSource:
+        return _ZeroCostSource(self, seed)
+
+
+class _ZeroCostSource:
+    def __init__(self, spec: ZeroCostSpec, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.length = int(rng.integers(60, 81))
+        self.frames = {
+            name: torch.from_numpy(
+                rng.integers(0, 256, (spec.num_envs, self.length, *f.shape), dtype=np.uint8)
+            )
+            if f.dtype == torch.uint8
+            else torch.from_numpy(rng.normal(size=(spec.num_envs, self.length, *f.shape)).astype(np.float32))
+            for name, f in spec.fields().items()
+        }
+        half = self.length // 2
+        segments = [
+            Segment(0, half, "pick up the red block"),
+            Segment(half, self.length, "place it on the pad"),
+        ]
+        self.episodes = [
+            Episode(
+                self.length, instruction="put the red block on the pad", segments=segments, terminated=True
+            )
+            for _ in range(spec.num_envs)
+        ]
+
+    def rollout(self, rows, *, attempt, should_stop):
+        for name, frames in self.frames.items():
+            rows.get(tuple(name.split("/")))[:, : self.length].copy_(frames)
+        return self.episodes
+
+    def close(self) -> None:
+        pass
+
+
+def zero_cost_spec(image: bool) -> ZeroCostSpec:
+    return ZeroCostSpec(image=image)
+
+
+def engine_rate(spec, workers: int, rows: int, seconds: float, backend: RayBackend | None) -> float:
+    cfg = OnlineDataEngineCfg(
+        source=spec,
+        buffer_size=workers * rows,
+        num_workers=workers,
+        refill_policy="manual",
+        backend=backend,
+        initialization_timeout=600.0,
+    )
+    with OnlineDataEngine(cfg) as engine, ContinuousPublication(engine) as publication:
+        time.sleep(seconds)
+    return publication.episodes_per_s
+
+
+# -- the bare pull loop ------------------------------------------------------------------------------------
+class _PayloadActor:
+    """Returns the frames of the same zero-cost source on every call, as NumPy arrays: no engine at all."""
+
+    def __init__(self, image: bool, seed: int) -> None:
+        source = _ZeroCostSource(ZeroCostSpec(image=image), seed)
+        self.frames = {name: frames.numpy() for name, frames in source.frames.items()}
+
+    def generate(self, number: int, count: int) -> list[dict[str, np.ndarray]]:
+        return [self.frames] * count
+
+
+def bare_pull_rate(
+    image: bool, actors: int, rows: int, seconds: float, resources: dict, per_call: int
+) -> float:
+    """Episodes/s of ``ray.wait`` over ``actors`` x 2 calls in flight of ``per_call`` episodes each, copied
+    into shared tensors."""
+    import ray
+
+    spec = zero_cost_spec(image)
+    tensors = {
+        name: torch.zeros(
+            (actors * rows, spec.max_episode_steps, *field.shape), dtype=field.dtype
+        ).share_memory_()
+        for name, field in spec.fields().items()
+    }
+    remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)
+    handles = [remote.remote(image, seed) for seed in range(actors)]
+    ray.get([h.generate.remote(0, per_call) for h in handles])  # started and warm
+    in_flight = {}
+    for index, handle in enumerate(handles):
+        for _ in range(2):
+            in_flight[handle.generate.remote(0, per_call)] = index
+    count, row = 0, [0] * actors
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+        for ref in ready:
+            index = in_flight.pop(ref)
+            for frames in ray.get(ref):
+                target = index * rows + row[index]
+                row[index] = (row[index] + 1) % rows
+                for name, array in frames.items():
+                    np.copyto(tensors[name][target : target + 1, : array.shape[1]].numpy(), array)
+                count += 1
+            in_flight[handles[index].generate.remote(0, per_call)] = index
+    elapsed = time.perf_counter() - began
+    for handle in handles:
+        ray.kill(handle)
+    return count / elapsed
+
+
+# -- sections ------------------------------------------------------------------------------------------
+def production(args: Args) -> float:
+    from simstream.tasks import make_source
+
+    table = Table(
+        "Production: pick_place, 1 local producer vs 1 Ray actor (episodes/s)",
+        ["camera", "local process", "Ray actor", "ratio", "target", "verdict"],
+    )
+    one_core = float("nan")
+    for image_size, target in ((None, 0.90), (64, 0.80)):
+        spec = make_source("pick_place", num_envs=1, image_size=image_size)
+        local, actor = [], []
+        for _ in range(args.rounds):
+            local.append(engine_rate(spec, 1, args.rows, args.seconds, None))
+            actor.append(engine_rate(spec, 1, args.rows, args.seconds, RayBackend()))
+        local_rate, actor_rate = statistics.median(local), statistics.median(actor)
+        value = ratio(actor_rate, local_rate)
+        table.row(
+            "64x64" if image_size else "none", local_rate, actor_rate, value, target, check(value, target)
+        )
+        if image_size is None:
+            one_core = local_rate
+    return one_core
+
+
+def ingest(args: Args, one_core: float, nodes: str, resources: dict) -> None:
+    table = Table(
+        f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s)",
+        ["payload", "windows per call", "bare pull loop", "engine", "ratio", "target", "verdict", "MiB/s",
+         "sim cores absorbed"],
+    )  # fmt: skip
+    for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
+        backend = RayBackend(resources=resources, windows_per_call=per_call)
+        spec = zero_cost_spec(image)
+        bare, engine = [], []
+        for _ in range(args.rounds):
+            bare.append(bare_pull_rate(image, args.actors, args.rows, args.seconds, resources, per_call))
+            engine.append(engine_rate(spec, args.actors, args.rows, args.seconds, backend))
+        bare_rate, engine_eps = statistics.median(bare), statistics.median(engine)
+        value = ratio(engine_eps, bare_rate)
+        frame_bytes = 53 * 4 + (3 * 64 * 64 if image else 0)  # about 70 frames per episode
+        mib_s = engine_eps * 70 * frame_bytes / 2**20
+        cores = ratio(engine_eps, one_core)
+        payload = "53 floats + 64x64 camera" if image else "53 floats"
+        table.row(payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), mib_s, cores)
+
+
+def sampling(args: Args) -> None:
+    table = Table(
+        "sample_batch(256, 16) while the ingest runs at full rate (calls/s)",
+        ["payload", "idle", "ingesting", "ratio", "target", "verdict"],
+    )
+    for image in (False, True):
+        cfg = OnlineDataEngineCfg(
+            source=zero_cost_spec(image),
+            buffer_size=args.actors * args.rows,
+            num_workers=args.actors,
+            refill_policy="manual",
+            backend=RayBackend(),
+            initialization_timeout=600.0,
+        )
+        idle, busy = [], []
+        with OnlineDataEngine(cfg) as engine:
+            draw = partial(engine.sample_batch, 256, 16, keys=["obs/state", "actions"])
+            for _ in range(args.rounds):
+                idle.append(call_rate(draw, args.seconds)[0])
+                with ContinuousPublication(engine):
+                    busy.append(call_rate(draw, args.seconds)[0])
+        idle_rate, busy_rate = statistics.median(idle), statistics.median(busy)
+        value = ratio(busy_rate, idle_rate)
+        table.row(
+            "with camera" if image else "low-dim", idle_rate, busy_rate, value, 0.80, check(value, 0.80)
+        )
+
+
+def main() -> None:
+    args = tyro.cli(Args).effective()
+    set_single_thread()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    print_header(
+        "Ray producers",
+        [sys.executable, *sys.argv],
+        f"rounds={args.rounds}, seconds={args.seconds}, actors={args.actors}, rows per producer={args.rows}",
+    )
+    ray.init(
+        num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
+    )
+    try:
+        one_core = production(args) if "production" in args.sections else float("nan")
+        if "ingest" in args.sections:
+            ingest(args, one_core, "one node", {})
+        if "sampling" in args.sections:
+            sampling(args)
+    finally:
+        ray.shutdown()
+    if "ingest" in args.sections:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=args.actors, resources={"sim": args.actors})
+            ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+            ingest(args, one_core, "two nodes (cluster_utils)", {"sim": 1})
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
