@@ -360,9 +360,11 @@ def repair(root: Path | str) -> dict[str, Any]:
     from .dataset import read_dataset_meta
 
     root = Path(root)
+    meta = read_dataset_meta(root)
+    if not all(k in meta.info["features"] for k in EXTRA_KEYS):
+        raise LeRobotFormatError(f"{root}/meta/info.json: not a simstream recording; cannot append to it")
     for tmp in root.rglob(".*.tmp"):
         tmp.unlink()
-    meta = read_dataset_meta(root)
     referenced = set()
     next_file = 0
     for ep in meta.episodes:
@@ -401,8 +403,6 @@ def repair(root: Path | str) -> dict[str, Any]:
         splits={"train": f"0:{len(meta.episodes)}"},
     )
     write_json(root / "meta" / "info.json", info)
-    if not all(k in info["features"] for k in EXTRA_KEYS) and meta.episodes:
-        raise LeRobotFormatError(f"{root}/meta/info.json: not a simstream recording; cannot append to it")
     return {
         "info": info,
         "tasks": meta.tasks,

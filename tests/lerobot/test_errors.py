@@ -1,0 +1,157 @@
+"""Bad input: each error names the file (or field) and what is wrong with it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from simstream import Field
+from simstream.lerobot import LeRobotFormatError, LeRobotSpec
+from simstream.lerobot.format import features_from_fields
+from simstream.lerobot.names import KeyMap
+from simstream.lerobot.writer import DatasetWriter
+
+from .sources import PatternSpec, pattern_record
+from .test_names_and_fixture import FIXTURE
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fixture_copy(tmp_path) -> Path:
+    root = tmp_path / "ds"
+    shutil.copytree(FIXTURE, root)
+    return root
+
+
+def _read_all(root: Path, **kwargs) -> None:
+    source = LeRobotSpec(root, **kwargs).build(0, 0)
+    try:
+        for e in range(len(source.meta.episodes)):
+            source.reader.read(e)
+    finally:
+        source.close()
+
+
+def test_no_folder(tmp_path):
+    with pytest.raises(LeRobotFormatError, match=f"{tmp_path / 'nope'}: no such dataset folder"):
+        LeRobotSpec(tmp_path / "nope")
+
+
+def test_not_a_dataset(tmp_path):
+    with pytest.raises(LeRobotFormatError, match=r"meta/info.json: missing, so .* is not a LeRobot dataset"):
+        LeRobotSpec(tmp_path)
+
+
+def test_not_v3(fixture_copy):
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "codebase_version": "v2.1"}))
+    with pytest.raises(
+        LeRobotFormatError, match=r"info.json: codebase_version is 'v2.1'; only LeRobot format 'v3.0'"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+def test_info_not_json(fixture_copy):
+    (fixture_copy / "meta" / "info.json").write_text("{")
+    with pytest.raises(LeRobotFormatError, match=r"info.json: not valid JSON"):
+        LeRobotSpec(fixture_copy)
+
+
+def test_truncated_data_file(fixture_copy):
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{path}: not a readable parquet file \(truncated or damaged\?\)"
+    ):
+        _read_all(fixture_copy)
+
+
+def test_truncated_episodes_file(fixture_copy):
+    path = fixture_copy / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: not a readable parquet file"):
+        LeRobotSpec(fixture_copy)
+
+
+def test_missing_data_file(fixture_copy):
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    path.unlink()
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: missing \(episode 0 refers to it\)"):
+        LeRobotSpec(fixture_copy)
+
+
+def test_missing_video_file(fixture_copy):
+    path = fixture_copy / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
+    path.unlink()
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: missing \(episode \d refers to it\)"):
+        _read_all(fixture_copy)
+
+
+def test_truncated_video_file(fixture_copy):
+    path = fixture_copy / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: "):
+        _read_all(fixture_copy)
+
+
+def test_unknown_key_in_key_map():
+    with pytest.raises(
+        ValueError, match=r"key_map names LeRobot key\(s\) \['observation.nope'\] that .*info.json"
+    ):
+        LeRobotSpec(FIXTURE, key_map={"observation.nope": "obs/x"})
+
+
+def test_key_map_renames_a_feature():
+    spec = LeRobotSpec(FIXTURE, key_map={"observation.images.front": "obs/image"})
+    assert "obs/image" in spec.fields() and "obs/images/front" not in spec.fields()
+
+
+def test_fields_subset_names_a_missing_field():
+    with pytest.raises(ValueError, match=r"LeRobotSpec.fields_subset names \['obs/objects'\], not fields of"):
+        LeRobotSpec(FIXTURE, fields_subset=("obs/state", "obs/objects"))
+
+
+def test_features_that_do_not_match_on_append(tmp_path):
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20)
+    writer.add(pattern_record(0, image_size=None))
+    writer.flush()
+    other = features_from_fields(PatternSpec(image_size=32).fields(), KeyMap(), video=True)
+    with pytest.raises(ValueError, match=r"meta/info.json: features .* do not match the recording's"):
+        DatasetWriter(tmp_path / "ds", other, 20)
+    with pytest.raises(ValueError, match=r"meta/info.json: fps is 20, the recording's is 30"):
+        DatasetWriter(tmp_path / "ds", features, 30)
+
+
+def test_appending_to_a_dataset_not_written_by_simstream(fixture_copy):
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    before = {p: p.read_bytes() for p in fixture_copy.rglob("*") if p.is_file()}
+    with pytest.raises(LeRobotFormatError, match=r"meta/info.json: not a simstream recording; cannot append"):
+        DatasetWriter(fixture_copy, features, 20)
+    assert {p: p.read_bytes() for p in fixture_copy.rglob("*") if p.is_file()} == before  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("field", "fragment"),
+    [
+        (Field((2, 3)), r"field 'x' \(torch.float32, shape \(2, 3\)\) cannot be a LeRobot feature"),
+        (Field((4,), torch.int16), r"field 'x' \(torch.int16, shape \(4,\)\) cannot be a LeRobot feature"),
+        (Field((1, 8, 8), torch.uint8), r"field 'x' \(torch.uint8, shape \(1, 8, 8\)\) cannot be"),
+    ],
+)
+def test_fields_lerobot_cannot_hold(field, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        features_from_fields({"x": field}, KeyMap(), video=True)
+
+
+def test_key_map_naming_a_field_the_source_lacks():
+    with pytest.raises(
+        ValueError, match=r"key_map names field\(s\) \['obs/nope'\] that the source does not have"
+    ):
+        features_from_fields(PatternSpec().fields(), KeyMap({"observation.x": "obs/nope"}), video=True)
