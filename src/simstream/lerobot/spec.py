@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..sources import Episode, Field, Segment
 from .names import KeyMap
@@ -128,7 +127,7 @@ class LeRobotEpisodeSource:
             for name, values in read.frames.items():
                 target = rows.get(tuple(name.split("/")))
                 view = target[row, :length]
-                view.copy_(torch.from_numpy(np.ascontiguousarray(values[:length])).reshape(view.shape))
+                view.numpy()[...] = values[:length].reshape(view.shape)  # arrow's arrays are read-only
             episodes.append(self._episode(index, read, length))
         return episodes
 

@@ -1,0 +1,98 @@
+"""``simstream record`` end to end, and ``demo --record`` then ``demo --dataset`` in the quick mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simstream.cli.main import main as simstream
+from simstream.lerobot import LeRobotSpec
+from simstream.lerobot.dataset import read_dataset_meta
+
+pytestmark = pytest.mark.timeout(240)
+
+@pytest.fixture(autouse=True)
+def no_tqdm_monitor(monkeypatch):
+    import tqdm
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no tqdm monitor thread outliving the test
+
+
+# the smallest demo that still runs every stage
+TINY_DEMO = [
+    "--quick",
+    "--steps",
+    "10",
+    "--eval-every",
+    "10",
+    "--eval-episodes",
+    "1",
+    "--eval-episodes-during",
+    "0",
+]
+
+
+def test_record_writes_a_dataset_and_says_where(tmp_path, capsys):
+    out = tmp_path / "pick"
+    args = ["record", "--task", "pick_place", "--episodes", "3", "--out", str(out), "--num-workers", "1"]
+    assert simstream([*args, "--buffer-size", "2", "--image-size", "32", "--no-video"]) == 0
+    printed = capsys.readouterr().out
+    assert f"dataset: {out.resolve()} (3 episodes, LeRobot v3.0)" in printed
+    assert "recorded 3 episodes" in printed
+    meta = read_dataset_meta(out)
+    assert meta.info["total_episodes"] == 3 and meta.info["fps"] == 20
+    assert meta.info["features"]["observation.image"]["dtype"] == "image"
+    assert all(ep["success"] for ep in meta.episodes)
+    spec = LeRobotSpec(out)
+    assert sorted(spec.fields()) == ["actions", "obs/image", "obs/objects", "obs/state", "rewards"]
+    # appending: a second run adds to the same dataset
+    assert (
+        simstream([*args, "--buffer-size", "2", "--image-size", "32", "--no-video", "--episodes", "1"]) == 0
+    )
+    assert "(4 episodes, LeRobot v3.0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--episodes", "0"], "--episodes must be an int >= 1, got 0"),
+        (["--key-map", "action"], "--key-map items must read LEROBOT_KEY=FIELD_NAME, got 'action'"),
+        (
+            ["--key-map", "observation.x=obs/nope"],
+            r"key_map names field(s) ['obs/nope'] that the source does not",
+        ),
+        (["--task", "juggle"], "juggle"),
+    ],
+)
+def test_record_bad_options_exit_2(tmp_path, capsys, args, fragment):
+    assert simstream(["record", "--out", str(tmp_path / "ds"), "--episodes", "1", *args]) == 2
+    assert fragment in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "ds").exists()
+
+
+def test_record_refuses_a_folder_that_is_not_a_dataset(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert simstream(["record", "--out", str(tmp_path), "--episodes", "1"]) == 2
+    assert "exists and is not a LeRobot dataset" in capsys.readouterr().err
+
+
+def test_demo_records_the_live_stream_then_trains_from_it(tmp_path, capsys):
+    runs, dataset = tmp_path / "runs", tmp_path / "recorded"
+    assert (
+        simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs), "--name", "rec", "--record", str(dataset)])
+        == 0
+    )
+    summary = json.loads((runs / "rec" / "summary.json").read_text())
+    meta = read_dataset_meta(dataset)
+    # every episode the producers published while the demo ran, none dropped (the recorder never skips)
+    assert len(meta.episodes) == summary["stream"]["successful_episodes"] == meta.info["total_episodes"]
+    assert f"recording the live stream into {dataset}" in capsys.readouterr().out
+    assert (
+        simstream(
+            ["demo", *TINY_DEMO, "--runs-dir", str(runs), "--name", "replay", "--dataset", str(dataset)]
+        )
+        == 0
+    )
+    replay = json.loads((runs / "replay" / "summary.json").read_text())
+    assert replay["steps_done"] == 10 and replay["stream"]["successful_episodes"] >= 16
