@@ -12,6 +12,7 @@ from simstream.lerobot.dataset import read_dataset_meta
 
 pytestmark = pytest.mark.timeout(240)
 
+
 @pytest.fixture(autouse=True)
 def no_tqdm_monitor(monkeypatch):
     import tqdm
