@@ -78,14 +78,15 @@ def sampling(source, args: Args, record: Path | None) -> float:
     engine = _engine(source, args.workers, 64, manual=False)
     recorder = LeRobotRecorder(engine, record).start() if record is not None else None
     with engine:
-        batches, began = 0, time.monotonic()
+        first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
         while time.monotonic() - began < args.seconds:
             engine.sample_batch(256, 16)
             batches += 1
-        rate = batches / (time.monotonic() - began)
+        elapsed = time.monotonic() - began
+        episodes = engine.get_stats()["successful_episodes"] - first
     if recorder is not None:
         recorder.close()
-    return rate
+    return batches / elapsed, episodes / elapsed
 
 
 def replay(root: Path, args: Args) -> float:
@@ -94,7 +95,8 @@ def replay(root: Path, args: Args) -> float:
     return production(LeRobotSpec(root), args, None)["episodes_per_s"]
 
 
-def main(args: Args) -> None:
+def run(args: Args) -> int:
+    """Run every measurement and print its table (``simstream bench recording``)."""
     from simstream.tasks import make_source
 
     torch.set_num_threads(1)
@@ -102,7 +104,8 @@ def main(args: Args) -> None:
         args = Args(quick=True, seconds=2.0, rounds=1, workers=args.workers)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
     sources = {"low-dim": make_source("pick_place"), "64x64 video": make_source("pick_place", image_size=64)}
-    print(f"benchmarks/recording.py: {args.workers} producers, {args.seconds:.0f} s rounds x {args.rounds}")
+    flags = " --quick" if args.quick else f" --seconds {args.seconds:g} --rounds {args.rounds}"
+    print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
     rows = []
     try:
         for name, source in sources.items():
@@ -126,10 +129,12 @@ def main(args: Args) -> None:
         for k in range(args.rounds):
             plain.append(sampling(sources["low-dim"], args, None))
             recorded.append(sampling(sources["low-dim"], args, scratch / f"sampling-{k}"))
-        a, b = statistics.median(plain), statistics.median(recorded)
-        print("\n| sample_batch(256, 16), refilling | without batches/s | with recorder | ratio (>= 0.90) |")
+        a, b = (statistics.median(r[0] for r in rates) for rates in (plain, recorded))
+        ea, eb = (statistics.median(r[1] for r in rates) for rates in (plain, recorded))
+        print("\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) |")
         print("|---|---:|---:|---:|")
         print(f"| low-dim pick_place | {a:.1f} | {b:.1f} | {b / a:.3f} |")
+        print(f"| (fresh episodes/s meanwhile) | {ea:.2f} | {eb:.2f} | {eb / ea:.3f} |")
 
         print("\n| replay (LeRobotSpec, 2 producers) | episodes/s |")
         print("|---|---:|")
@@ -138,7 +143,8 @@ def main(args: Args) -> None:
             print(f"| {name} | {rate:.1f} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    raise SystemExit(run(tyro.cli(Args)))

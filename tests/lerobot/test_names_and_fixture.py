@@ -13,9 +13,8 @@ import torch
 from simstream import Segment
 from simstream.lerobot import KeyMap, LeRobotSpec, feature_to_field, field_to_feature
 
-FIXTURE = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "lerobot_v3"
-if not FIXTURE.exists():  # a fresh clone beside the shared folder, or the project's own copy
-    FIXTURE = Path("/work/shared/fixtures/lerobot_v3")
+# written by lerobot 0.6.1 itself (fixture/make_lerobot_v3_fixture.py); every value in fixture/README.md
+FIXTURE = Path(__file__).resolve().parent / "fixture" / "lerobot_v3"
 pytestmark = pytest.mark.timeout(120)
 
 PICK, STACK, RELEASE = (
