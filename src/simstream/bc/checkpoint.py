@@ -12,6 +12,7 @@ import torch
 from .evaluate import RolloutConfig
 from .policy import ChunkPolicy, PolicyConfig
 from .text import HashedTextEmbedding
+from .vision import VisionPolicy, VisionPolicyConfig
 
 __all__ = ["FORMAT", "PolicyCheckpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -23,7 +24,7 @@ FORMAT = "simstream-bc-policy/1"
 class PolicyCheckpoint:
     """Everything needed to run a trained policy again, in any process."""
 
-    policy: ChunkPolicy
+    policy: ChunkPolicy | VisionPolicy
     embedding: HashedTextEmbedding
     task: str
     rollout: RolloutConfig
@@ -37,8 +38,9 @@ def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
+        "policy_kind": "vision" if isinstance(checkpoint.policy, VisionPolicy) else "state",
         "policy_config": dataclasses.asdict(checkpoint.policy.config),
-        "state_dict": checkpoint.policy.state_dict(),
+        "state_dict": {key: value.cpu() for key, value in checkpoint.policy.state_dict().items()},
         "text_embedding": checkpoint.embedding.state_dict(),
         "task": checkpoint.task,
         "rollout": dataclasses.asdict(checkpoint.rollout),
@@ -64,7 +66,13 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint: {error}") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint (expected format {FORMAT!r})")
-    policy = ChunkPolicy(PolicyConfig(**payload["policy_config"]))
+    kind = payload.get("policy_kind", "state")  # checkpoints written before the vision policy: "state"
+    if kind == "vision":
+        policy: ChunkPolicy | VisionPolicy = VisionPolicy(VisionPolicyConfig(**payload["policy_config"]))
+    elif kind == "state":
+        policy = ChunkPolicy(PolicyConfig(**payload["policy_config"]))
+    else:
+        raise ValueError(f"{str(path)!r}: unknown policy_kind {kind!r} (expected 'state' or 'vision')")
     policy.load_state_dict(payload["state_dict"])
     policy.eval()
     return PolicyCheckpoint(

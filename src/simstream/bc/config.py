@@ -11,8 +11,9 @@ from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
 from .policy import PolicyConfig
+from .vision import VisionPolicyConfig
 
-__all__ = ["QUICK_OVERRIDES", "DemoConfig"]
+__all__ = ["QUICK_OVERRIDES", "QUICK_VISION_OVERRIDES", "VISION_OVERRIDES", "DemoConfig"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,23 @@ class DemoConfig:
     """Stop training early once this many seconds have passed since the start (keeps the demo bounded
     on slow machines); the summary records whether it happened."""
 
+    # vision (``--vision``)
+    vision: bool = False
+    """Train a visuomotor policy from camera frames, proprioception and the instruction only (no object
+    poses). ``--vision`` (in Python: ``DemoConfig().with_vision()``) also applies :data:`VISION_OVERRIDES`;
+    this field alone changes nothing else."""
+    cameras: tuple[str, ...] = ("front", "wrist")
+    """With ``--vision``: cameras the producers render into ``obs/images/<camera>`` and the policy reads."""
+    image_size: int = 64
+    """With ``--vision``: side of the square uint8 camera frames, in [16, 256]."""
+    shift: int = 4
+    """With ``--vision``: random-shift augmentation (DrQ) in pixels, in [0, image_size / 4]."""
+    channels: int = 16
+    """With ``--vision``: channels of each camera's conv encoder."""
+    device: str = "cpu"
+    """Trainer device: ``cpu``, or ``cuda`` / ``cuda:N`` when one is available (batches are pinned and
+    copied with ``non_blocking``); producers always run on the CPU."""
+
     # evaluation
     ensemble_decay: float | None = 0.0
     """Temporal ensembling: every step blends all chunks that cover it, weights ``exp(-m * i)`` from the
@@ -128,6 +146,11 @@ class DemoConfig:
         from simstream.tasks import get_task
 
         get_task(self.task)
+        require_int("DemoConfig", "image_size", self.image_size, 16, 256)
+        require_int("DemoConfig", "shift", self.shift, 0, self.image_size // 4)
+        require_int("DemoConfig", "channels", self.channels, 8)
+        self._check_cameras()
+        self._check_device()
         self.policy_config  # noqa: B018  (validates the policy fields)
         self.rollout_config  # noqa: B018
 
@@ -138,9 +161,41 @@ class DemoConfig:
 
         return backend_from_flags("DemoConfig", self.backend, self.ray_address)
 
+    def _check_cameras(self) -> None:
+        from simstream.tasks import CAMERAS
+
+        cameras = self.cameras
+        require(
+            isinstance(cameras, tuple) and bool(cameras) and set(cameras) <= set(CAMERAS)
+            and len(set(cameras)) == len(cameras),
+            "DemoConfig", "cameras", f"one or more distinct cameras of {CAMERAS}", cameras,
+        )  # fmt: skip
+
+    def _check_device(self) -> None:
+        import torch
+
+        device = self.device
+        valid = isinstance(device, str) and (
+            device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+        )
+        require(valid, "DemoConfig", "device", "'cpu', 'cuda' or 'cuda:N'", device)
+        if device != "cpu":
+            index = int(device[5:]) if ":" in device else 0
+            require(
+                torch.cuda.is_available() and index < torch.cuda.device_count(),
+                "DemoConfig", "device", f"an available device ({torch.cuda.device_count()} CUDA devices)",
+                device, "Use --device cpu on a machine without a GPU",
+            )  # fmt: skip
+
     @property
-    def policy_config(self) -> PolicyConfig:
-        """The policy's shape."""
+    def policy_config(self) -> PolicyConfig | VisionPolicyConfig:
+        """The policy's shape: a :class:`VisionPolicyConfig` with ``vision``."""
+        if self.vision:
+            return VisionPolicyConfig(
+                cameras=self.cameras, image_size=self.image_size, history=self.history, horizon=self.horizon,
+                hidden=self.hidden, layers=self.layers, text_dim=self.text_dim, channels=self.channels,
+                shift=self.shift,
+            )  # fmt: skip
         return PolicyConfig(
             history=self.history,
             horizon=self.horizon,
@@ -159,8 +214,13 @@ class DemoConfig:
         )
 
     def with_quick(self) -> DemoConfig:
-        """This config with :data:`QUICK_OVERRIDES` applied."""
-        return dataclasses.replace(self, quick=True, **QUICK_OVERRIDES)
+        """This config with :data:`QUICK_OVERRIDES` (and, with vision, :data:`QUICK_VISION_OVERRIDES`)."""
+        vision = QUICK_VISION_OVERRIDES if self.vision else {}
+        return dataclasses.replace(self, quick=True, **{**QUICK_OVERRIDES, **vision})
+
+    def with_vision(self) -> DemoConfig:
+        """This config with :data:`VISION_OVERRIDES` applied (``--vision``; before ``with_quick``)."""
+        return dataclasses.replace(self, vision=True, **VISION_OVERRIDES)
 
 
 QUICK_OVERRIDES: dict[str, object] = {
@@ -173,3 +233,23 @@ QUICK_OVERRIDES: dict[str, object] = {
     "time_limit_s": 120.0,
 }
 """What ``--quick`` changes: a pipeline smoke test, not a policy that succeeds."""
+
+QUICK_VISION_OVERRIDES: dict[str, object] = {
+    "buffer_size": 8,
+    "steps": 60,
+    "batch_size": 32,
+    "eval_every": 30,
+}
+"""What ``--quick`` also changes with ``--vision``: conv steps cost ~10x an MLP step on the CPU."""
+
+VISION_OVERRIDES: dict[str, object] = {
+    "num_workers": 1,
+    "buffer_size": 128,
+    "steps": 20000,
+    "batch_size": 64,
+    "eval_every": 4000,
+    "time_limit_s": 1440.0,
+}
+"""What ``--vision`` changes besides ``vision=True``: the conv trainer, not the producers, is the bottleneck
+on 2 cores, so one producer renders while the trainer takes the other core; smaller batches, more steps, and
+a time limit that leaves the final evaluation inside 30 minutes."""

@@ -41,6 +41,16 @@ class ContextBatch:
     def __len__(self) -> int:
         return self.features.shape[0]
 
+    def inputs(self) -> tuple:
+        """The policy's arguments: ``(features, history_mask, text)``."""
+        return self.features, self.history_mask, self.text
+
+    def apply(self, fn) -> ContextBatch:
+        """A copy with ``fn`` applied to every tensor (pinning, moving to a device)."""
+        return ContextBatch(
+            fn(self.features), fn(self.history_mask), fn(self.targets), fn(self.loss_mask), fn(self.text)
+        )
+
 
 class InstructionTable:
     """Embeddings of the engine's task texts by ``task_index``, extended as producers intern new texts.

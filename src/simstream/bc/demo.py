@@ -21,15 +21,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
 from .config import DemoConfig
 from .data import InstructionTable
 from .evaluate import EvalResult, eval_seeds, evaluate_policy
 from .policy import ChunkPolicy
 from .recording import demo_recorder, demo_source
-from .report import write_plots, write_report
+from .report import write_plots, write_report, write_strips
 from .text import HashedTextEmbedding
 from .train import TrainingLog, fit_normalizer, train_policy
+from .vision import VisionPolicy, VisionPolicyConfig
 
 __all__ = ["run_demo", "start_with_progress"]
 
@@ -81,7 +83,7 @@ def _final_eval(checkpoint: PolicyCheckpoint, episodes: int) -> tuple[EvalResult
     with tqdm(total=episodes, desc="final evaluation", unit="ep", dynamic_ncols=True) as bar:
         result = evaluate_policy(
             checkpoint.policy, checkpoint.embedding, checkpoint.task, seeds, checkpoint.rollout,
-            on_step=bar.update,
+            keep_strips=True, on_step=bar.update,
         )  # fmt: skip
     return result, time.monotonic() - began
 
@@ -115,7 +117,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     began = time.monotonic()
     name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.runs_dir) / name
-    source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
+    if cfg.vision:
+        source = CameraSourceSpec(
+            cfg.task, cfg.cameras, cfg.image_size, max_episode_steps=cfg.max_episode_steps
+        )
+    else:
+        source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
     source = demo_source(cfg, source)  # --dataset: a LeRobot dataset replayed instead
     engine_cfg = OnlineDataEngineCfg(
         source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
@@ -125,7 +132,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    policy, embedding = ChunkPolicy(cfg.policy_config), HashedTextEmbedding(cfg.text_dim)
+    policy_config = cfg.policy_config
+    vision = isinstance(policy_config, VisionPolicyConfig)
+    policy = VisionPolicy(policy_config) if vision else ChunkPolicy(policy_config)
+    policy.to(cfg.device)
+    embedding = HashedTextEmbedding(cfg.text_dim)
     where = " (Ray actors)" if cfg.backend == "ray" else ""
     print(f"simstream demo: {cfg.task}, {cfg.num_workers} producers{where}, buffer {cfg.buffer_size} "
           f"episodes -> {run_dir}", flush=True)  # fmt: skip
@@ -153,6 +164,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             engine.stop()
             if recorder is not None:
                 recorder.close()  # flushes every episode published before the stop
+        # the source alone, now that nothing else runs: the reference for the stream's episodes/s
+        bare = measure_bare_rate(source) if isinstance(source, CameraSourceSpec) else None
         checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
         result, eval_s = _final_eval(checkpoint, cfg.eval_episodes)
         writer.add_scalar("eval/final_success_rate", result.success_rate, log.steps_done)
@@ -161,6 +174,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     checkpoint.info = {"steps": log.steps_done, "success_rate": result.success_rate, "run": name}
     checkpoint_path = save_checkpoint(run_dir / "checkpoint.pt", checkpoint)
     summary = _summary(cfg, name, run_dir, result, log, stats)
+    if bare is not None:
+        summary["stream"]["bare_source"] = bare
+        summary["stream"]["bare_episodes_per_s_all_workers"] = bare["episodes_per_s"] * cfg.num_workers
+        summary["strips"] = [str(path) for path in write_strips(run_dir, result.strips)]
     summary.update(startup_time_s=startup_s, eval_time_s=eval_s, checkpoint=str(checkpoint_path))
     final = summary["final_eval"]
     plots = write_plots(run_dir, log.as_dict(), final)
@@ -195,6 +212,8 @@ def _summary(
         "stopped_early": log.stopped_early,
         "final_loss": sum(losses) / max(1, len(losses)),
         "train_time_s": log.train_time_s,
+        "batch_wait_share": log.batch_wait_share,
+        "vision": cfg.vision,
         "stream": _stream_summary(log, stats),
         "evals_during_training": log.evals,
         "tensorboard": str(run_dir / "tensorboard"),

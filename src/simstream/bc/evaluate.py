@@ -24,11 +24,14 @@ import torch
 from .._validation import require_int, require_number
 from .policy import ChunkPolicy, observation_features
 from .text import HashedTextEmbedding
+from .vision import PROPRIO_DIM, VisionPolicy, proprio_features
 
-__all__ = ["EVAL_SEED_BASE", "EvalResult", "RolloutConfig", "eval_seeds", "evaluate_policy"]
+__all__ = ["EVAL_SEED_BASE", "STRIP_EVERY", "EvalResult", "RolloutConfig", "eval_seeds", "evaluate_policy"]
 
 EVAL_SEED_BASE = 1_000_000_007
 """First evaluation seed. Producers draw 64-bit hashed seeds, so evaluation episodes are fresh."""
+STRIP_EVERY = 4
+"""Steps between the policy frames kept for the report's strips."""
 
 
 def eval_seeds(num_episodes: int, offset: int = 0) -> list[int]:
@@ -62,7 +65,11 @@ class EvalResult:
     lengths: list[int]
     instructions: list[str]
     frames: list[list[np.ndarray]] = field(default_factory=list)
-    """Rendered ``[H, W, 3]`` frames per recorded episode (only with ``record``)."""
+    """Rendered ``[H, W, 3]`` frames per recorded episode (only with ``record``): the front camera, and for
+    a vision policy its own cameras beside it (scaled up to the same height)."""
+    strips: dict[str, tuple[int, list[np.ndarray]]] = field(default_factory=dict)
+    """Vision policies with ``keep_strips``: ``"success"`` / ``"failure"`` -> ``(seed, frames)`` of the
+    first such episode, what the policy saw every :data:`STRIP_EVERY` steps (``[S, S * cameras, 3]``)."""
 
     @property
     def success_rate(self) -> float:
@@ -99,8 +106,63 @@ class _ChunkExecutor:
         return weights @ predictions / weights.sum()
 
 
+class _History:
+    """The last ``history`` policy inputs of every episode, shifted by one frame per step."""
+
+    def __init__(self, policy: ChunkPolicy | VisionPolicy, num_envs: int) -> None:
+        config, history = policy.config, policy.config.history
+        self.mask = torch.zeros(num_envs, history, dtype=torch.bool)
+        if isinstance(policy, VisionPolicy):
+            size = config.image_size
+            self.tensors = {"proprio": torch.zeros(num_envs, history, PROPRIO_DIM)}
+            for camera in config.cameras:
+                self.tensors[camera] = torch.zeros(num_envs, history, 3, size, size, dtype=torch.uint8)
+        else:
+            self.tensors = {"features": torch.zeros(num_envs, history, policy.feature_mean.shape[0])}
+
+    def push(self, frames: dict[str, torch.Tensor], active: list[int]) -> None:
+        index = torch.tensor(active)
+        for name, tensor in self.tensors.items():
+            tensor[index] = torch.cat([tensor[index, 1:], frames[name][:, None]], dim=1)
+        self.mask[index] = torch.cat([self.mask[index, 1:], torch.ones(len(active), 1, dtype=torch.bool)], 1)
+
+    def act(self, policy: ChunkPolicy | VisionPolicy, rows: list[int], text: torch.Tensor) -> np.ndarray:
+        device = policy.target_mean.device
+        index = torch.tensor(rows)
+        mask, text = self.mask[index].to(device), text[index].to(device)
+        if isinstance(policy, VisionPolicy):
+            images = {camera: self.tensors[camera][index].to(device) for camera in policy.config.cameras}
+            chunks = policy.act(images, self.tensors["proprio"][index].to(device), mask, text)
+        else:
+            chunks = policy.act(self.tensors["features"][index].to(device), mask, text)
+        return chunks.cpu().numpy()
+
+
+def _frame_inputs(policy, envs, observations, active) -> dict[str, torch.Tensor]:
+    """The policy's per-frame inputs of the active episodes; a vision policy's cameras are rendered here."""
+    state = torch.from_numpy(np.stack([observations[i]["state"] for i in active]))
+    if not isinstance(policy, VisionPolicy):
+        objects = torch.from_numpy(np.stack([observations[i]["objects"] for i in active]))
+        return {"features": observation_features(state, objects)}
+    size = (policy.config.image_size,) * 2
+    frames = {"proprio": proprio_features(state)}
+    for camera in policy.config.cameras:
+        frames[camera] = torch.from_numpy(np.stack([envs[i].scene.render(camera, size) for i in active]))
+    return frames
+
+
+def _side_by_side(front: np.ndarray, views: list[np.ndarray]) -> np.ndarray:
+    """``[H, W, 3]`` front frame with the policy's ``[3, S, S]`` views beside it, scaled to height ``H``."""
+    height = front.shape[0]
+    scaled = []
+    for view in views:
+        pick = np.arange(height) * view.shape[1] // height
+        scaled.append(view[:, pick][:, :, pick].transpose(1, 2, 0))
+    return np.concatenate([front, *scaled], axis=1)
+
+
 def evaluate_policy(
-    policy: ChunkPolicy,
+    policy: ChunkPolicy | VisionPolicy,
     embedding: HashedTextEmbedding,
     task: str,
     seeds: Sequence[int],
@@ -108,60 +170,76 @@ def evaluate_policy(
     *,
     record: int = 0,
     image_size: int = 128,
+    keep_strips: bool = False,
     on_step: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Run ``policy`` closed-loop in one episode per seed of ``task``; the episodes run in lockstep.
 
     Args:
-        policy: A fitted :class:`ChunkPolicy` (set to eval mode here).
+        policy: A fitted :class:`ChunkPolicy` or :class:`VisionPolicy` (set to eval mode here; it runs on
+            the device its weights are on).
         embedding: The text embedding the policy was trained with.
         task: A built-in task name.
         seeds: ``TaskEnv.reset`` seeds, one episode each.
         rollout: Chunk execution settings (default :class:`RolloutConfig`).
-        record: Render the first ``record`` episodes from the front camera (for a video).
-        image_size: Side of the rendered frames.
+        record: Render the first ``record`` episodes from the front camera (for a video); a vision
+            policy's own camera frames are shown beside it.
+        image_size: Side of the rendered front frames.
+        keep_strips: Keep what a vision policy saw in its first successful and first failed episode.
         on_step: Called with the number of episodes that finished, after each control step where some did.
 
     Returns:
-        Per-episode success, length and instruction, and the recorded frames.
+        Per-episode success, length and instruction, the recorded frames and the strips.
     """
     from simstream.tasks import make_env  # imports MuJoCo: only when evaluating
 
     rollout = rollout or RolloutConfig()
     policy.eval()
-    history, horizon = policy.config.history, policy.config.horizon
+    vision = isinstance(policy, VisionPolicy)
+    keep_strips = keep_strips and vision
     envs = [make_env(task, max_episode_steps=rollout.max_episode_steps) for _ in seeds]
+    # video frames get their own renderers: one renderer switching between the policy's and the video's
+    # image sizes would rebuild its GL context on every frame
+    video = [env.scene._make_renderer((image_size, image_size)) for env in envs[: min(record, len(envs))]]
     try:
         observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
         texts = embedding([env.instruction for env in envs])
         n = len(envs)
-        feats = torch.zeros(n, history, policy.feature_mean.shape[0])
-        mask = torch.zeros(n, history, dtype=torch.bool)
-        executor = _ChunkExecutor(n, horizon, rollout)
+        history = _History(policy, n)
+        executor = _ChunkExecutor(n, policy.config.horizon, rollout)
         done = [False] * n
         successes, lengths = [False] * n, [0] * n
         frames: list[list[np.ndarray]] = [[] for _ in range(min(record, n))]
-        for _ in range(rollout.max_episode_steps):
+        seen: list[list[np.ndarray]] = [[] for _ in range(n)]
+        strips: dict[str, tuple[int, list[np.ndarray]]] = {}
+        for step in range(rollout.max_episode_steps):
             active = [i for i in range(n) if not done[i]]
             if not active:
                 break
-            _push(feats, mask, observations, active)
+            inputs = _frame_inputs(policy, envs, observations, active)
+            history.push(inputs, active)
             replan = [i for i in active if executor.needs_plan(i)]
             if replan:
-                chunks = policy.act(feats[replan], mask[replan], texts[replan]).numpy()
-                for i, chunk in zip(replan, chunks):
+                for i, chunk in zip(replan, history.act(policy, replan, texts)):
                     executor.add_plan(i, chunk)
+            views = {i: [inputs[c][k].numpy() for c in policy.config.cameras] for k, i in enumerate(active)} \
+                if vision else {}  # fmt: skip
             finished = 0
             for i in active:
                 if i < len(frames):
-                    frames[i].append(
-                        envs[i].scene.render("front", (image_size, image_size)).transpose(1, 2, 0)
-                    )
+                    video[i].update_scene(envs[i].scene.data, camera="front")
+                    front = video[i].render().copy()
+                    frames[i].append(_side_by_side(front, views[i]) if vision else front)
+                if keep_strips and step % STRIP_EVERY == 0:
+                    seen[i].append(np.concatenate(views[i], axis=2).transpose(1, 2, 0))
                 obs, _, terminated, truncated, info = envs[i].step(executor.pop(i).astype(np.float32))
                 observations[i], lengths[i] = obs, lengths[i] + 1
                 if terminated or truncated:
                     done[i], successes[i] = True, bool(info["success"])
                     finished += 1
+                    if keep_strips:
+                        strips.setdefault("success" if successes[i] else "failure", (seeds[i], seen[i]))
+                        seen[i] = []
             if on_step is not None and finished:
                 on_step(finished)
         return EvalResult(
@@ -170,16 +248,10 @@ def evaluate_policy(
             lengths=lengths,
             instructions=[env.instruction for env in envs],
             frames=frames,
+            strips=strips,
         )
     finally:
+        for renderer in video:
+            renderer.close()
         for env in envs:
             env.close()
-
-
-def _push(feats: torch.Tensor, mask: torch.Tensor, observations: list[dict], active: list[int]) -> None:
-    """Shift each active episode's history by one frame and append its newest observation."""
-    index = torch.tensor(active)
-    state = torch.from_numpy(np.stack([observations[i]["state"] for i in active]))
-    objects = torch.from_numpy(np.stack([observations[i]["objects"] for i in active]))
-    feats[index] = torch.cat([feats[index, 1:], observation_features(state, objects)[:, None]], dim=1)
-    mask[index] = torch.cat([mask[index, 1:], torch.ones(len(active), 1, dtype=torch.bool)], dim=1)

@@ -6,10 +6,43 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PLOTS", "write_plots", "write_report"]
+__all__ = ["PLOTS", "STRIPS", "write_plots", "write_report", "write_strips"]
 
 PLOTS = ("overview.png", "loss.png", "success.png", "throughput.png", "generations.png")
 """Files :func:`write_plots` creates in the run folder."""
+STRIPS = {"success": "strip_success.png", "failure": "strip_failure.png"}
+"""Files :func:`write_strips` creates (vision runs), when the final evaluation had such an episode."""
+_STRIP_FRAMES = 8
+
+
+def write_strips(run_dir: Path, strips: dict[str, tuple[int, list[Any]]]) -> list[Path]:
+    """A PNG strip of what the vision policy saw (its cameras stacked) in a successful and a failed episode.
+
+    Args:
+        run_dir: The run folder.
+        strips: ``EvalResult.strips``: outcome -> ``(seed, frames [S, S * cameras, 3])``.
+    """
+    import imageio.v3 as iio
+    import numpy as np
+
+    paths = []
+    for outcome, (_, frames) in sorted(strips.items()):
+        if not frames:
+            continue
+        picks = np.linspace(0, len(frames) - 1, min(_STRIP_FRAMES, len(frames))).round().astype(int)
+        # cameras side by side in each frame -> one column per time step, cameras stacked vertically
+        columns = []
+        for index in picks:
+            frame = frames[index]
+            size = frame.shape[0]
+            views = [frame[:, k : k + size] for k in range(0, frame.shape[1], size)]
+            columns.append(np.concatenate(views, axis=0))
+        gap = np.full((columns[0].shape[0], 2, 3), 255, dtype=np.uint8)
+        strip = np.concatenate([part for column in columns for part in (column, gap)][:-1], axis=1)
+        strip = strip.repeat(2, axis=0).repeat(2, axis=1)  # 64 px frames are small on screen
+        paths.append(run_dir / STRIPS[outcome])
+        iio.imwrite(paths[-1], strip)
+    return paths
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -115,6 +148,29 @@ def write_plots(run_dir: Path, log: dict[str, Any], final: dict[str, Any]) -> li
     return paths
 
 
+def _vision_rows(summary: dict[str, Any]) -> list[str]:
+    bare = summary["stream"].get("bare_source")
+    if bare is None:
+        return []
+    stream, workers = summary["stream"], summary["config"]["num_workers"]
+    return [
+        f"| fresh episodes/s with rendering (stream, during training) vs the bare source | "
+        f"{stream['mean_fresh_episodes_per_s']:.2f}/s vs {bare['episodes_per_s']:.2f}/s for one producer "
+        f"alone (x {workers} = {stream['bare_episodes_per_s_all_workers']:.2f}/s) |",
+        f"| rendering | {bare['render_ms_per_frame']:.1f} ms per frame (all cameras), "
+        f"{bare['render_share']:.0%} of a producer's time |",
+    ]
+
+
+def _strip_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for outcome, file in STRIPS.items():
+        if any(path.endswith(file) for path in summary.get("strips", [])):
+            lines += [f"What the policy saw in a {outcome} (cameras stacked, left to right in time):", "",
+                      f"![{outcome}]({file})", ""]  # fmt: skip
+    return lines
+
+
 def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write ``run_dir/report.md`` from the run's summary (the same dict as ``summary.json``)."""
     final, stream, cfg = summary["final_eval"], summary["stream"], summary["config"]
@@ -122,7 +178,13 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         f"# simstream demo — `{summary['name']}`",
         "",
         f"Behaviour cloning on **{summary['task']}**, trained from episodes that {cfg['num_workers']} "
-        "producer processes streamed live from MuJoCo with a scripted expert (no dataset on disk).",
+        "producer processes streamed live from MuJoCo with a scripted expert (no dataset on disk)."
+        + (
+            f" The policy sees only the {' and '.join(cfg['cameras'])} cameras ({cfg['image_size']} px), "
+            "the robot's proprioception and the instruction: no object poses."
+            if summary.get("vision")
+            else ""
+        ),
         "",
         "| result | value |",
         "|---|---|",
@@ -140,10 +202,14 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         f"| buffer generations completed | {stream['completed_generation']} |",
         f"| contexts sampled | {stream['sampled_chunks']} ({stream['mean_samples_per_s']:.0f}/s; "
         f"fresh episodes {stream['mean_fresh_episodes_per_s']:.1f}/s) |",
+        f"| share of each training step spent waiting for a batch | {summary['batch_wait_share']:.1%} "
+        "(target: under 10%) |",
+        *_vision_rows(summary),
         f"| machine | {summary['machine']} |",
         "",
         "![overview](overview.png)",
         "",
+        *_strip_lines(summary),
         "## Plots",
         "",
         "- [loss.png](loss.png): masked chunk loss per step",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,16 +20,27 @@ from .config import DemoConfig
 from .data import InstructionTable, context_batch
 from .evaluate import eval_seeds, evaluate_policy
 from .policy import ChunkPolicy, masked_chunk_loss
+from .prefetch import BatchPrefetcher
 from .text import HashedTextEmbedding
+from .vision import VisionPolicy, policy_keys, vision_context_batch
 
 if TYPE_CHECKING:
     from simstream import OnlineDataEngine
 
-__all__ = ["DURING_TRAINING_SEED_OFFSET", "TrainingLog", "fit_normalizer", "learning_rate", "train_policy"]
+__all__ = [
+    "DURING_TRAINING_SEED_OFFSET",
+    "TrainingLog",
+    "batch_sampler",
+    "fit_normalizer",
+    "learning_rate",
+    "train_policy",
+]
 
 DURING_TRAINING_SEED_OFFSET = 10_000
 """Checks during training use ``eval_seeds(n, offset=10_000)``: disjoint from the final evaluation."""
 _STREAM_EVERY_S = 2.0
+_BATCH_TIMEOUT_S = 300.0
+"""Bound of one wait for a training batch (the sampler's own bounded waits and producer checks run inside)."""
 
 
 @dataclass
@@ -46,6 +58,10 @@ class TrainingLog:
     train_time_s: float = 0.0
     stopped_early: bool = False
     """Whether ``time_limit_s`` ended training before ``steps``."""
+    batch_wait_s: float = 0.0
+    """Seconds the trainer spent blocked waiting for a batch (the prefetch thread samples ahead)."""
+    step_time_s: float = 0.0
+    """Seconds spent in gradient steps, waits included (closed-loop checks excluded)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready copy."""
@@ -56,17 +72,63 @@ class TrainingLog:
             "steps_done": self.steps_done,
             "train_time_s": self.train_time_s,
             "stopped_early": self.stopped_early,
+            "batch_wait_s": self.batch_wait_s,
+            "step_time_s": self.step_time_s,
         }
+
+    @property
+    def batch_wait_share(self) -> float:
+        """Share of each gradient step spent waiting for a batch (target: under 10%)."""
+        return self.batch_wait_s / max(self.step_time_s, 1e-9)
+
+
+def batch_sampler(
+    engine: OnlineDataEngine,
+    policy: ChunkPolicy | VisionPolicy,
+    instructions: InstructionTable,
+    batch_size: int,
+    generator: torch.Generator,
+    *,
+    images: bool = True,
+) -> Callable[[], Any]:
+    """A function that samples one context batch and converts it to the policy's tensors.
+
+    It asks the engine for the keys the policy reads only (``keys=``): a vision policy's batch holds the
+    camera frames, ``obs/state``, ``actions`` and ``task_index``, never ``obs/objects``. ``images=False``
+    leaves the frames out (fitting the normalisation needs the low-dimensional keys only).
+    """
+    config = policy.config
+    if isinstance(policy, VisionPolicy):
+        cameras = config.cameras if images else ()
+        keys = policy_keys(cameras) if images else policy_keys(())
+
+        def convert(batch):
+            return vision_context_batch(batch, config.history, instructions, cameras)
+    else:
+        keys = ["obs/state", "obs/objects", "actions", "task_index"]
+
+        def convert(batch):
+            return context_batch(batch, config.history, instructions)
+
+    def sample() -> Any:
+        batch = engine.sample_batch_with_context(
+            batch_size, config.history, config.horizon, generator=generator, keys=keys
+        )
+        return convert(batch)
+
+    return sample
 
 
 def fit_normalizer(
-    engine: OnlineDataEngine, policy: ChunkPolicy, instructions: InstructionTable, generator: torch.Generator
+    engine: OnlineDataEngine,
+    policy: ChunkPolicy | VisionPolicy,
+    instructions: InstructionTable,
+    generator: torch.Generator,
 ) -> int:
     """Fit the policy's normalisation on 8192 contexts of the first generation; returns the count."""
-    config = policy.config
-    batch = engine.sample_batch_with_context(8192, config.history, config.horizon, generator=generator)
-    data = context_batch(batch, config.history, instructions)
-    policy.fit_normalizer(data.features, data.history_mask, data.targets, data.loss_mask)
+    data = batch_sampler(engine, policy, instructions, 8192, generator, images=False)()
+    first = data.proprio if isinstance(policy, VisionPolicy) else data.features
+    policy.fit_normalizer(first, data.history_mask, data.targets, data.loss_mask)
     return len(data)
 
 
@@ -108,7 +170,7 @@ class _StreamMeter:
 
 def train_policy(
     engine: OnlineDataEngine,
-    policy: ChunkPolicy,
+    policy: ChunkPolicy | VisionPolicy,
     embedding: HashedTextEmbedding,
     cfg: DemoConfig,
     *,
@@ -128,9 +190,18 @@ def train_policy(
     Returns:
         The loss, stream and closed-loop success time series.
     """
-    config = policy.config
     instructions = InstructionTable(engine.language_registry, embedding)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
+    device = torch.device(cfg.device)
+    sample = batch_sampler(engine, policy, instructions, cfg.batch_size, generator)
+    if device.type == "cuda":  # pinned host memory lets the copy to the GPU run asynchronously
+
+        def sample_pinned() -> Any:
+            return sample().apply(torch.Tensor.pin_memory)
+
+        prefetcher = BatchPrefetcher(sample_pinned)
+    else:
+        prefetcher = BatchPrefetcher(sample)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
     began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
@@ -143,11 +214,12 @@ def train_policy(
             progress = max((step - 1) / cfg.steps, (time.monotonic() - began) / budget_s)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg.lr, progress)
-            batch = engine.sample_batch_with_context(
-                cfg.batch_size, config.history, config.horizon, generator=generator
-            )
-            data = context_batch(batch, config.history, instructions)
-            prediction = policy(data.features, data.history_mask, data.text)
+            step_began = time.monotonic()
+            data, waited = prefetcher.get(_BATCH_TIMEOUT_S)
+            log.batch_wait_s += waited
+            if device.type != "cpu":
+                data = data.apply(lambda tensor: tensor.to(device, non_blocking=True))
+            prediction = policy(*data.inputs())
             loss = masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -156,6 +228,7 @@ def train_policy(
             value = loss.item()
             ema = value if math.isnan(ema) else 0.98 * ema + 0.02 * value
             now = time.monotonic()
+            log.step_time_s += now - step_began
             log.loss.append((step, now - began, value))
             log.steps_done = step
             if writer is not None and step % 10 == 0:
@@ -186,13 +259,14 @@ def train_policy(
                     _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
                 break
     finally:
+        prefetcher.close()
         bar.close()
         log.train_time_s = time.monotonic() - began
     return log
 
 
 def _check(
-    policy: ChunkPolicy,
+    policy: ChunkPolicy | VisionPolicy,
     embedding: HashedTextEmbedding,
     cfg: DemoConfig,
     log: TrainingLog,

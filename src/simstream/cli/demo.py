@@ -20,8 +20,9 @@ def main(argv: list[str]) -> int:
     parsed: list[DemoConfig] = []
 
     def parse() -> None:
-        # --quick changes the defaults; flags given next to it still win.
-        default = DemoConfig().with_quick() if "--quick" in argv else DemoConfig()
+        # --vision and --quick change the defaults (in that order); flags given next to them still win.
+        default = DemoConfig().with_vision() if "--vision" in argv else DemoConfig()
+        default = default.with_quick() if "--quick" in argv else default
         parsed.append(tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo"))
 
     code = exit_code("simstream demo", parse)

@@ -1,0 +1,298 @@
+"""The visuomotor policy of ``simstream demo --vision``: camera frames, proprioception and language only.
+
+The policy never sees an object pose. Its input per frame is one ``uint8 [3, S, S]`` image per camera
+(``obs/images/<camera>``) and the robot's proprioception (joint positions, finger openings, gripper pose:
+``obs/state`` without the joint velocities, see :func:`simstream.bc.policy.observation_features`); the
+instruction enters as its hashed embedding. :data:`POLICY_KEYS` is what the trainer asks the engine to copy,
+so ``obs/objects`` never even leaves shared memory on the training side.
+
+Each camera has its own small conv encoder (4 convolutions, GroupNorm, the instruction scaling and shifting
+the third layer's channels by FiLM, so the encoder can look for "the red cube") ending in a spatial softmax:
+``K`` keypoints, the expected image coordinates of ``K`` feature maps, which is what a reaching policy needs
+from a 64 x 64 image. Training applies DrQ's random shift (pad by ``shift`` pixels, replicate the border,
+crop back at a random offset per sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .._validation import require, require_int
+from .camera_source import image_key
+from .policy import _KEPT_STATE, ACTION_DIM, NUM_JOINTS, absolute_actions, relative_actions
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from .data import InstructionTable
+
+__all__ = [
+    "PROPRIO_DIM",
+    "VisionBatch",
+    "VisionPolicy",
+    "VisionPolicyConfig",
+    "policy_keys",
+    "proprio_features",
+    "random_shift",
+    "vision_context_batch",
+]
+
+PROPRIO_DIM = len(_KEPT_STATE)
+"""Joint positions (7), finger openings (2), gripper position (3) and quaternion (4)."""
+
+
+def proprio_features(state: torch.Tensor) -> torch.Tensor:
+    """``obs/state [..., 23]`` -> proprioception ``[..., 16]`` (joint velocities left out, as in the MLP)."""
+    return state[..., _KEPT_STATE]
+
+
+def policy_keys(cameras: tuple[str, ...]) -> list[str]:
+    """The stored keys a vision training step reads: images, ``obs/state``, ``actions``, ``task_index``."""
+    return [*(image_key(camera) for camera in cameras), "obs/state", "actions", "task_index"]
+
+
+def random_shift(images: torch.Tensor, pad: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """DrQ's augmentation: shift each image by up to ``pad`` pixels, filling with the replicated border.
+
+    Args:
+        images: ``[N, C, S, S]`` (any dtype; uint8 stays uint8).
+        pad: Largest shift in pixels (0 returns ``images``).
+        generator: RNG of the shifts (one ``(dy, dx)`` in ``[0, 2 * pad]`` per image).
+
+    Returns:
+        ``[N, C, S, S]``: ``out[n, :, y, x] = padded[n, :, y + dy_n, x + dx_n]``.
+    """
+    if pad == 0:
+        return images
+    n, _, height, width = images.shape
+    padded = nn.functional.pad(images.float(), (pad, pad, pad, pad), mode="replicate").to(images.dtype)
+    offsets = torch.randint(0, 2 * pad + 1, (2, n), generator=generator).to(images.device)
+    rows = (offsets[0, :, None] + torch.arange(height, device=images.device))[:, :, None]
+    cols = (offsets[1, :, None] + torch.arange(width, device=images.device))[:, None, :]
+    batch = torch.arange(n, device=images.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class VisionPolicyConfig:
+    """Shape of the vision policy (stored with the checkpoint)."""
+
+    cameras: tuple[str, ...] = ("front", "wrist")
+    """Cameras the policy reads, in order."""
+    image_size: int = 64
+    """Side of the square camera frames."""
+    history: int = 1
+    """Observation frames up to and including "now"."""
+    horizon: int = 16
+    """Actions predicted per call (the chunk)."""
+    hidden: int = 256
+    """Width of the MLP head."""
+    layers: int = 3
+    """Hidden layers of the MLP head."""
+    text_dim: int = 64
+    """Width of the instruction embedding."""
+    channels: int = 16
+    """Channels of the conv encoders."""
+    keypoints: int = 32
+    """Spatial-softmax keypoints per camera (each gives 2 coordinates)."""
+    shift: int = 4
+    """Random-shift augmentation during training, in pixels (0: none)."""
+
+    def __post_init__(self) -> None:
+        from simstream.tasks import CAMERAS
+
+        object.__setattr__(self, "cameras", tuple(self.cameras))  # a checkpoint stores a list
+        cameras = self.cameras
+        require(
+            bool(cameras) and set(cameras) <= set(CAMERAS) and len(set(cameras)) == len(cameras),
+            "VisionPolicyConfig", "cameras", f"a nonempty tuple of distinct cameras from {CAMERAS}", cameras,
+        )  # fmt: skip
+        require_int("VisionPolicyConfig", "image_size", self.image_size, 16, 512)
+        for name, low in (("history", 1), ("horizon", 1), ("hidden", 8), ("layers", 1), ("text_dim", 8),
+                          ("channels", 8), ("keypoints", 1)):  # fmt: skip
+            require_int("VisionPolicyConfig", name, getattr(self, name), low)
+        require_int("VisionPolicyConfig", "shift", self.shift, 0, self.image_size // 4)
+
+
+class CameraEncoder(nn.Module):
+    """``[N, 3, S, S]`` image in ``[-0.5, 0.5]``, instruction ``[N, text_dim]`` -> ``[N, 2K]`` keypoints."""
+
+    def __init__(self, channels: int, keypoints: int, text_dim: int) -> None:
+        super().__init__()
+        c = channels
+        self.convs = nn.ModuleList(
+            [nn.Conv2d(3, c, 3, 2, 1), nn.Conv2d(c, c, 3, 2, 1), nn.Conv2d(c, c, 3, 1, 1)]
+        )
+        self.norms = nn.ModuleList(nn.GroupNorm(8 if c % 8 == 0 else 1, c) for _ in range(3))
+        self.film = nn.Linear(text_dim, 2 * c)
+        nn.init.zeros_(self.film.weight)
+        nn.init.zeros_(self.film.bias)
+        self.keypoint_maps = nn.Conv2d(c, keypoints, 3, 1, 1)
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+
+    def forward(self, images: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        x = images
+        for index, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+            x = norm(conv(x))
+            if index == 2:
+                scale, shift = self.film(text).chunk(2, dim=-1)
+                x = x * (1.0 + scale[..., None, None]) + shift[..., None, None]
+            x = nn.functional.gelu(x)
+        maps = self.keypoint_maps(x)
+        n, k, height, width = maps.shape
+        attention = (maps.flatten(2) * self.log_temperature.exp()).softmax(-1).view(n, k, height, width)
+        ys = torch.linspace(-1.0, 1.0, height, device=maps.device)
+        xs = torch.linspace(-1.0, 1.0, width, device=maps.device)
+        return torch.cat([(attention.sum(3) * ys).sum(-1), (attention.sum(2) * xs).sum(-1)], dim=-1)
+
+
+class VisionPolicy(nn.Module):
+    """``(camera frames, proprioception, history mask, instruction) -> normalised relative action chunk``.
+
+    Owns one :class:`CameraEncoder` per camera, an MLP head with FiLM (as :class:`ChunkPolicy`) and the
+    normalisation buffers ``proprio_mean/std [16]`` and ``target_mean/std [F, 8]`` (identity until
+    :meth:`fit_normalizer`). Padded history frames enter as zeros with a 0 in the mask input.
+    """
+
+    def __init__(self, config: VisionPolicyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("proprio_mean", torch.zeros(PROPRIO_DIM))
+        self.register_buffer("proprio_std", torch.ones(PROPRIO_DIM))
+        self.register_buffer("target_mean", torch.zeros(config.horizon, ACTION_DIM))
+        self.register_buffer("target_std", torch.ones(config.horizon, ACTION_DIM))
+        self.encoders = nn.ModuleDict(
+            {cam: CameraEncoder(config.channels, config.keypoints, config.text_dim) for cam in config.cameras}
+        )
+        frame_dim = PROPRIO_DIM + 2 * config.keypoints * len(config.cameras) + 1
+        width = config.history * frame_dim + config.text_dim
+        self.hidden = nn.ModuleList()
+        for _ in range(config.layers):
+            self.hidden.append(nn.Linear(width, config.hidden))
+            width = config.hidden
+        self.norms = nn.ModuleList(nn.LayerNorm(config.hidden) for _ in range(config.layers))
+        self.film = nn.Linear(config.text_dim, 2 * config.layers * config.hidden)
+        nn.init.zeros_(self.film.weight)
+        nn.init.zeros_(self.film.bias)
+        self.head = nn.Linear(width, config.horizon * ACTION_DIM)
+
+    @torch.no_grad()
+    def fit_normalizer(
+        self, proprio: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor
+    ) -> None:
+        """Normalisation statistics from valid frames and targets only (``std`` floored at 1e-3)."""
+        frames = proprio[valid]
+        self.proprio_mean.copy_(frames.mean(0))
+        self.proprio_std.copy_(frames.std(0).clamp_min(1e-3))
+        weight = loss_mask[..., None].to(targets.dtype)
+        count = weight.sum(0).clamp_min(1.0)
+        mean = (targets * weight).sum(0) / count
+        var = ((targets - mean) ** 2 * weight).sum(0) / count
+        self.target_mean.copy_(mean)
+        self.target_std.copy_(var.sqrt().clamp_min(1e-3))
+
+    def normalize_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Relative actions ``[B, F, 8]`` -> the network's output space."""
+        return (targets - self.target_mean) / self.target_std
+
+    def forward(
+        self, images: dict[str, torch.Tensor], proprio: torch.Tensor, mask: torch.Tensor, text: torch.Tensor
+    ) -> torch.Tensor:
+        """Normalised relative action chunk ``[B, F, 8]``.
+
+        Args:
+            images: camera -> ``uint8 [B, H, 3, S, S]``; shifted at random in training mode.
+            proprio: ``[B, H, 16]`` raw proprioception.
+            mask: ``[B, H]`` bool, True on real frames.
+            text: ``[B, text_dim]`` instruction embeddings.
+        """
+        batch, history = mask.shape
+        frame_text = text.repeat_interleave(history, dim=0)
+        parts = [(proprio - self.proprio_mean) / self.proprio_std]
+        for camera, encoder in self.encoders.items():
+            frames = images[camera].flatten(0, 1)
+            if self.training:
+                frames = random_shift(frames, self.config.shift)
+            frames = frames.to(text.dtype) / 255.0 - 0.5
+            parts.append(encoder(frames, frame_text).view(batch, history, -1))
+        inputs = torch.cat(parts, dim=-1) * mask[..., None]
+        inputs = torch.cat([inputs, mask[..., None].to(text.dtype)], dim=-1).flatten(1)
+        x = torch.cat([inputs, text], dim=-1)
+        film = self.film(text).view(-1, len(self.hidden), 2, self.config.hidden)
+        for layer, (linear, norm) in enumerate(zip(self.hidden, self.norms)):
+            x = nn.functional.gelu(norm(linear(x)) * (1.0 + film[:, layer, 0]) + film[:, layer, 1])
+        return self.head(x).view(-1, self.config.horizon, ACTION_DIM)
+
+    @torch.no_grad()
+    def act(
+        self, images: dict[str, torch.Tensor], proprio: torch.Tensor, mask: torch.Tensor, text: torch.Tensor
+    ) -> torch.Tensor:
+        """Absolute action chunk ``[B, F, 8]`` (joint targets, gripper) for the current observation."""
+        relative = self.forward(images, proprio, mask, text) * self.target_std + self.target_mean
+        return absolute_actions(relative, proprio[:, -1, :NUM_JOINTS])
+
+    def config_dict(self) -> dict[str, object]:
+        """The constructor arguments, for a checkpoint."""
+        return asdict(self.config)
+
+
+@dataclass
+class VisionBatch:
+    """The tensors of one vision training step; :meth:`inputs` is exactly what the policy reads."""
+
+    images: dict[str, torch.Tensor]
+    """camera -> ``uint8 [B, H, 3, S, S]``; zeros where ``history_mask`` is False."""
+    proprio: torch.Tensor
+    """``[B, H, 16]`` proprioception; zeros where ``history_mask`` is False."""
+    history_mask: torch.Tensor
+    """``[B, H]`` bool: real (not padded) history frames."""
+    targets: torch.Tensor
+    """``[B, F, 8]`` actions relative to the anchor's joints (gripper absolute)."""
+    loss_mask: torch.Tensor
+    """``[B, F]`` bool: targets inside the episode."""
+    text: torch.Tensor
+    """``[B, text_dim]`` embedding of the episode's task instruction."""
+
+    def __len__(self) -> int:
+        return self.proprio.shape[0]
+
+    def inputs(self) -> tuple:
+        """The policy's arguments: ``(images, proprio, history_mask, text)``."""
+        return self.images, self.proprio, self.history_mask, self.text
+
+    def apply(self, fn) -> VisionBatch:
+        """A copy with ``fn`` applied to every tensor (pinning, moving to a device)."""
+        return VisionBatch(
+            images={camera: fn(value) for camera, value in self.images.items()},
+            proprio=fn(self.proprio), history_mask=fn(self.history_mask), targets=fn(self.targets),
+            loss_mask=fn(self.loss_mask), text=fn(self.text),
+        )  # fmt: skip
+
+
+def vision_context_batch(
+    batch: TensorDict, history: int, instructions: InstructionTable, cameras: tuple[str, ...]
+) -> VisionBatch:
+    """Split a ``[B, H + F - 1]`` context batch into the vision policy's inputs and its chunk targets.
+
+    Reads only :func:`policy_keys` (plus ``valid`` and ``loss_mask``): whatever else the batch holds, the
+    cube poses included, cannot reach the policy.
+    """
+    anchor = history - 1
+    history_mask = batch["valid"][:, :history]
+    state = batch["obs", "state"]
+    images = {}
+    for camera in cameras:
+        frames = batch.get(tuple(image_key(camera).split("/")))[:, :history]
+        images[camera] = frames * history_mask[..., None, None, None].to(frames.dtype)
+    return VisionBatch(
+        images=images,
+        proprio=proprio_features(state[:, :history]) * history_mask[..., None],
+        history_mask=history_mask,
+        targets=relative_actions(batch["actions"][:, anchor:], state[:, anchor]),
+        loss_mask=batch["loss_mask"][:, anchor:],
+        text=instructions.lookup(batch["task_index"][:, anchor]),
+    )

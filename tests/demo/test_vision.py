@@ -1,0 +1,318 @@
+"""The vision policy's data path: camera frames through the engine into the policy, and nothing privileged.
+
+Unit tests run in-process; ``test_camera_frames_stream_through_the_engine_into_the_policy`` starts a real
+producer that renders with MuJoCo.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from simstream.bc import DemoConfig, HashedTextEmbedding, load_checkpoint, save_checkpoint
+from simstream.bc.camera_source import CameraSourceSpec, image_key
+from simstream.bc.checkpoint import PolicyCheckpoint
+from simstream.bc.data import InstructionTable
+from simstream.bc.evaluate import RolloutConfig
+from simstream.bc.prefetch import BatchPrefetcher
+from simstream.bc.train import batch_sampler
+from simstream.bc.vision import (
+    PROPRIO_DIM,
+    VisionPolicy,
+    VisionPolicyConfig,
+    policy_keys,
+    proprio_features,
+    random_shift,
+    vision_context_batch,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+CAMERAS = ("front", "wrist")
+B, H, F, S = 4, 2, 3, 16
+
+
+class _Registry:
+    def resolve(self, indices, kind):
+        return ["pick up the red cube and place it in the bin"] * len(indices)
+
+
+def _context_batch(generator: torch.Generator) -> TensorDict:
+    """A ``[B, H + F - 1]`` context batch shaped like the vision source's, first frame padded in row 0."""
+    T = H + F - 1
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, 0] = False
+    images = {
+        camera: torch.randint(0, 256, (B, T, 3, S, S), dtype=torch.uint8, generator=generator)
+        for camera in CAMERAS
+    }
+    for frames in images.values():
+        frames[0, 0] = 0  # padding holds zero payload
+    return TensorDict(
+        {
+            "obs": {
+                "state": torch.randn(B, T, 23, generator=generator),
+                "objects": torch.randn(B, T, 21, generator=generator),
+                "images": images,
+            },
+            "actions": torch.randn(B, T, 8, generator=generator),
+            "valid": valid,
+            "loss_mask": valid.clone(),
+            "task_index": torch.zeros(B, T, dtype=torch.int64),
+        },
+        batch_size=[B, T],
+    )
+
+
+def _instructions() -> InstructionTable:
+    return InstructionTable(_Registry(), HashedTextEmbedding(64))
+
+
+def _policy(**overrides) -> VisionPolicy:
+    torch.manual_seed(0)
+    return VisionPolicy(
+        VisionPolicyConfig(image_size=S, history=H, horizon=F, hidden=32, channels=8, **overrides)
+    )
+
+
+# ------------------------------------------------------------------------------------------ augmentation
+def test_random_shift_keeps_shape_and_dtype_and_moves_the_content():
+    images = torch.zeros(2, 3, S, S, dtype=torch.uint8)
+    images[:, :, 8, 8] = 255  # one bright pixel away from the border
+    shifted = random_shift(images, 4, torch.Generator().manual_seed(1))
+    assert shifted.shape == images.shape and shifted.dtype == torch.uint8
+    dy, dx = torch.randint(0, 9, (2, 2), generator=torch.Generator().manual_seed(1))
+    for n in range(2):  # out[y, x] = padded[y + dy, x + dx]: the pixel moves by (4 - dy, 4 - dx)
+        (y, x) = torch.nonzero(shifted[n, 0]).tolist()[0]
+        assert (y, x) == (8 + 4 - int(dy[n]), 8 + 4 - int(dx[n]))
+        assert shifted[n].sum() == images[n].sum()
+    assert not torch.equal(shifted, images)
+    assert random_shift(images, 0) is images
+
+
+def test_random_shift_fills_with_the_replicated_border():
+    images = torch.arange(S, dtype=torch.float32).repeat(1, 1, S, 1)  # column index as the value
+    shifted = random_shift(images, 4, torch.Generator().manual_seed(0))
+    assert set(shifted.flatten().tolist()) <= set(range(S))  # never zeros from outside the image
+
+
+def test_training_mode_augments_and_eval_mode_is_deterministic():
+    data = vision_context_batch(_context_batch(torch.Generator().manual_seed(0)), H, _instructions(), CAMERAS)
+    policy = _policy()
+    policy.eval()
+    assert torch.equal(policy(*data.inputs()), policy(*data.inputs()))
+    policy.train()
+    torch.manual_seed(3)
+    first = policy(*data.inputs())
+    assert not torch.equal(first, policy(*data.inputs()))  # a new random shift every call
+
+
+# ------------------------------------------------------------------------------------------ no privilege
+def test_policy_keys_name_images_proprioception_actions_and_language_only():
+    assert policy_keys(CAMERAS) == [
+        "obs/images/front",
+        "obs/images/wrist",
+        "obs/state",
+        "actions",
+        "task_index",
+    ]
+    assert not any("objects" in key for key in policy_keys(CAMERAS))
+
+
+def test_changing_the_cube_poses_in_a_batch_does_not_change_the_policy_input_or_output():
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    before = vision_context_batch(batch, H, _instructions(), CAMERAS)
+    batch["obs", "objects"] = torch.randn(batch["obs", "objects"].shape) * 100
+    after = vision_context_batch(batch, H, _instructions(), CAMERAS)
+    for a, b in zip(before.inputs(), after.inputs()):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() == set(CAMERAS)
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert torch.equal(a, b)
+    policy = _policy()
+    policy.eval()
+    assert torch.equal(policy(*before.inputs()), policy(*after.inputs()))
+    # and the proprioception is the robot's: joints, fingers, gripper pose, never velocities
+    assert before.proprio.shape == (B, H, PROPRIO_DIM)
+    state = batch["obs", "state"][:, :H]
+    assert torch.equal(before.proprio[1:], proprio_features(state)[1:])
+
+
+def test_the_trainer_asks_the_engine_for_the_policy_keys_only():
+    calls = []
+
+    class Engine:
+        def sample_batch_with_context(self, batch_size, history, horizon, *, generator, keys):
+            calls.append((batch_size, history, horizon, keys))
+            return _context_batch(torch.Generator().manual_seed(0))
+
+    data = batch_sampler(Engine(), _policy(), _instructions(), B, torch.Generator())()
+    assert calls == [(B, H, F, policy_keys(CAMERAS))]
+    assert set(data.images) == set(CAMERAS)
+    batch_sampler(Engine(), _policy(), _instructions(), B, torch.Generator(), images=False)()
+    assert calls[-1][3] == ["obs/state", "actions", "task_index"]
+
+
+# ---------------------------------------------------------------------------------------- policy, batch
+def test_vision_batch_splits_at_the_anchor_and_zeroes_padding():
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    data = vision_context_batch(batch, H, _instructions(), CAMERAS)
+    assert data.images["front"].shape == (B, H, 3, S, S) and data.images["front"].dtype == torch.uint8
+    assert data.targets.shape == (B, F, 8) and data.loss_mask.shape == (B, F) and data.text.shape == (B, 64)
+    assert not data.history_mask[0, 0] and data.proprio[0, 0].abs().sum() == 0
+    assert data.images["wrist"][0, 0].sum() == 0
+    assert torch.equal(data.targets[:, :, 7], batch["actions"][:, H - 1 :, 7])  # gripper stays absolute
+
+
+def test_policy_output_ignores_padded_history_frames():
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    data = vision_context_batch(batch, H, _instructions(), CAMERAS)
+    policy = _policy()
+    policy.eval()
+    changed = {camera: frames.clone() for camera, frames in data.images.items()}
+    changed["front"][0, 0] = 200  # a padded frame
+    proprio = data.proprio.clone()
+    proprio[0, 0] = 5.0
+    original = policy(data.images, data.proprio, data.history_mask, data.text)
+    # padding is masked: the encoders see it, the head multiplies it by 0
+    assert torch.allclose(original[0], policy(changed, proprio, data.history_mask, data.text)[0])
+    chunk = policy.act(data.images, data.proprio, data.history_mask, data.text)
+    assert chunk.shape == (B, F, 8)
+
+
+def test_vision_checkpoint_round_trip(tmp_path):
+    policy = _policy()
+    policy.proprio_mean.fill_(0.5)
+    checkpoint = PolicyCheckpoint(policy, HashedTextEmbedding(64), "pick_place", RolloutConfig())
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "c.pt", checkpoint))
+    assert isinstance(loaded.policy, VisionPolicy) and loaded.policy.config == policy.config
+    assert torch.equal(loaded.policy.proprio_mean, policy.proprio_mean)
+
+
+def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
+    checkpoint = PolicyCheckpoint(_policy(), HashedTextEmbedding(64), "pick_place", RolloutConfig())
+    path = save_checkpoint(tmp_path / "c.pt", checkpoint)
+    payload = torch.load(path, weights_only=True)
+    payload["policy_kind"] = "telepathy"
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="unknown policy_kind 'telepathy'"):
+        load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"image_size": 8}, "DemoConfig.image_size must be an int in [16, 256], got 8"),
+        ({"image_size": 64, "shift": 17}, "DemoConfig.shift must be an int in [0, 16], got 17"),
+        ({"channels": 4}, "DemoConfig.channels must be an int >= 8, got 4"),
+        ({"cameras": ()}, "DemoConfig.cameras must be one or more distinct cameras of"),
+        ({"cameras": ("front", "front")}, "DemoConfig.cameras must be one or more distinct cameras of"),
+        ({"cameras": ("back",)}, "got ('back',)"),
+        ({"device": "tpu"}, "DemoConfig.device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        ({"device": "cuda:99"}, "DemoConfig.device must be an available device"),
+    ],
+)
+def test_demo_config_rejects_bad_vision_settings(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        DemoConfig(vision=True, **kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"image_size": 600}, "VisionPolicyConfig.image_size must be an int in [16, 512], got 600"),
+        ({"keypoints": 0}, "VisionPolicyConfig.keypoints must be an int >= 1, got 0"),
+        ({"shift": -1}, "VisionPolicyConfig.shift must be an int in [0, 16], got -1"),
+        ({"cameras": ("side",)}, "VisionPolicyConfig.cameras must be a nonempty tuple of distinct cameras"),
+    ],
+)
+def test_vision_policy_config_names_the_bad_field(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        VisionPolicyConfig(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"image_size": 8}, "CameraSourceSpec.image_size must be an int in [16, 512], got 8"),
+        ({"cameras": ("front", "nose")}, "CameraSourceSpec.cameras must be a nonempty tuple of distinct"),
+        ({"max_episode_steps": 0}, "CameraSourceSpec.max_episode_steps must be an int >= 1, got 0"),
+    ],
+)
+def test_camera_source_names_the_bad_field(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        CameraSourceSpec(**kwargs)
+    assert message in str(error.value)
+
+
+def test_vision_preset_then_quick_preset():
+    cfg = DemoConfig().with_vision()
+    assert cfg.vision and cfg.num_workers == 1 and isinstance(cfg.policy_config, VisionPolicyConfig)
+    quick = cfg.with_quick()
+    assert quick.quick and quick.steps == 60 and quick.batch_size == 32 and quick.eval_episodes == 4
+    assert DemoConfig().with_quick().steps == 150  # the state preset is unchanged
+
+
+# ------------------------------------------------------------------------------------------- prefetcher
+def test_prefetcher_hands_batches_in_order_and_raises_the_samplers_error():
+    items = iter([1, 2])
+
+    def make_batch():
+        value = next(items, None)
+        if value is None:
+            raise LookupError("no more batches")
+        return value
+
+    prefetcher = BatchPrefetcher(make_batch)
+    try:
+        assert [prefetcher.get(30)[0] for _ in range(2)] == [1, 2]
+        with pytest.raises(LookupError, match="no more batches"):
+            prefetcher.get(30)
+    finally:
+        prefetcher.close()
+
+
+def test_prefetcher_get_is_bounded():
+    release = threading.Event()
+    prefetcher = BatchPrefetcher(lambda: release.wait(30))
+    try:
+        with pytest.raises(TimeoutError, match="no training batch after"):
+            prefetcher.get(0.2)
+    finally:
+        release.set()
+        prefetcher.close()
+
+
+# ----------------------------------------------------------------------------- through the real engine
+def test_camera_frames_stream_through_the_engine_into_the_policy():
+    from simstream import OnlineDataEngine, OnlineDataEngineCfg
+
+    spec = CameraSourceSpec("pick_place", CAMERAS, image_size=S, max_episode_steps=120)
+    assert spec.fields()[image_key("wrist")].dtype == torch.uint8
+    cfg = OnlineDataEngineCfg(source=spec, buffer_size=2, num_workers=1, seed=3)
+    with OnlineDataEngine(cfg) as engine:
+        batch = engine.sample_batch_with_context(
+            8, H, F, generator=torch.Generator().manual_seed(0), keys=policy_keys(CAMERAS)
+        )
+        assert ("obs", "objects") not in batch.keys(True)  # never copied for the trainer
+        for camera in CAMERAS:
+            frames = batch["obs", "images", camera]
+            assert frames.shape == (8, H + F - 1, 3, S, S) and frames.dtype == torch.uint8
+            anchors = frames[:, H - 1]
+            assert anchors.float().std() > 0  # rendered, not blank
+        # the front and wrist views differ: two cameras, not one image twice
+        assert not torch.equal(batch["obs", "images", "front"], batch["obs", "images", "wrist"])
+        instructions = InstructionTable(engine.language_registry, HashedTextEmbedding(64))
+        data = vision_context_batch(batch, H, instructions, CAMERAS)
+    policy = _policy()
+    policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask)
+    loss = policy(*data.inputs()).pow(2).mean()
+    loss.backward()
+    assert all(p.grad is not None for p in policy.encoders.parameters() if p.requires_grad)
