@@ -155,3 +155,21 @@ def test_key_map_naming_a_field_the_source_lacks():
         ValueError, match=r"key_map names field\(s\) \['obs/nope'\] that the source does not have"
     ):
         features_from_fields(PatternSpec().fields(), KeyMap({"observation.x": "obs/nope"}), video=True)
+
+
+def test_stats_aggregate_per_group_as_over_all_episodes():
+    """The writer folds each group into running stats: the aggregation must be associative."""
+    import numpy as np
+
+    from simstream.lerobot.format import aggregate_stats, episode_stats
+
+    rng = np.random.default_rng(0)
+    episodes = [episode_stats(rng.normal(size=(int(rng.integers(5, 50)), 3)), False) for _ in range(7)]
+    at_once = aggregate_stats(episodes)
+    grouped = aggregate_stats([aggregate_stats(episodes[:3]), aggregate_stats(episodes[3:5]), *episodes[5:]])
+    for name, value in at_once.items():
+        np.testing.assert_allclose(value, grouped[name], err_msg=name)
+    flat = np.concatenate([rng.normal(size=(4, 3))])
+    single = episode_stats(flat, False)
+    np.testing.assert_allclose(single["mean"], flat.mean(0))
+    np.testing.assert_allclose(single["std"], flat.std(0))

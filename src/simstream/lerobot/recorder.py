@@ -26,7 +26,8 @@ from .writer import DatasetWriter, EpisodeRecord
 __all__ = ["LeRobotRecorder"]
 
 logger = logging.getLogger(__name__)
-_POLL_S = 0.002
+_POLL_S = 0.01
+"""Idle poll of the index: a producer waits at most about this long for a copy."""
 _METADATA = ("task_index", "subtask_index", "segment_id", "segment_accepted", "terminated", "truncated")
 
 

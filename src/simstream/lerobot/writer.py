@@ -94,7 +94,8 @@ class DatasetWriter:
         self.robot_type = robot_type
         self.tasks: dict[str, int] = {}
         self.subtasks: dict[str, int] = {}
-        self.episode_stats: list[dict[str, dict[str, np.ndarray]]] = []
+        self.stats: dict[str, dict[str, np.ndarray]] = {}
+        """Stats over every flushed episode, updated per group (the aggregation is associative)."""
         self.episodes_flushed = 0
         self.frames_flushed = 0
         self.bytes_written = 0
@@ -127,7 +128,7 @@ class DatasetWriter:
         self.tasks = {t: i for i, t in enumerate(state["tasks"])}
         self.subtasks = {t: i for i, t in enumerate(state["subtasks"])}
         self._language_written = (len(self.tasks), len(self.subtasks))
-        self.episode_stats = state["episode_stats"]
+        self.stats = state["stats"]
         self.episodes_flushed = state["total_episodes"]
         self.frames_flushed = state["total_frames"]
         self.next_file = state["next_file"]
@@ -168,7 +169,9 @@ class DatasetWriter:
         self.next_file += 1
         self.episodes_flushed += len(group)
         self.frames_flushed += sum(e.length for e in group)
-        self.episode_stats.extend(stats)
+        for key in stats[0]:
+            previous = [self.stats[key]] if key in self.stats else []
+            self.stats[key] = aggregate_stats(previous + [s[key] for s in stats])
         self._write_meta()
         return len(group)
 
@@ -300,10 +303,8 @@ class DatasetWriter:
     def _write_meta(self) -> None:
         """``stats.json`` then ``info.json``, each replaced atomically."""
         meta = self.root / "meta"
-        if self.episode_stats:
-            keys = self.episode_stats[0].keys()
-            stats = {key: aggregate_stats([s[key] for s in self.episode_stats]) for key in keys}
-            write_json(meta / "stats.json", stats_to_json(stats))
+        if self.stats:
+            write_json(meta / "stats.json", stats_to_json(self.stats))
         has_video = any(f.dtype == "video" for f in self.features)
         info = {
             "codebase_version": CODEBASE_VERSION,
@@ -393,6 +394,7 @@ def repair(root: Path | str) -> dict[str, Any]:
     ]
     info = dict(meta.info)
     total_frames = sum(ep["length"] for ep in meta.episodes)
+    stats = {}
     if episode_stats:
         stats = {key: aggregate_stats([s[key] for s in episode_stats]) for key in meta.stats_keys}
         write_json(root / "meta" / "stats.json", stats_to_json(stats))
@@ -407,7 +409,7 @@ def repair(root: Path | str) -> dict[str, Any]:
         "info": info,
         "tasks": meta.tasks,
         "subtasks": meta.subtasks,
-        "episode_stats": episode_stats,
+        "stats": stats,
         "total_episodes": len(meta.episodes),
         "total_frames": total_frames,
         "next_file": next_file,
