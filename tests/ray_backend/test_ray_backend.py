@@ -238,6 +238,34 @@ def test_stream_command_runs_its_producers_as_ray_actors(cluster):
     assert "1 producer(s) as Ray actors" in result.stdout and "batches/s" in result.stdout
 
 
+def test_script_that_never_stops_its_engine_closes_the_sources_at_exit(cluster):
+    import ray
+
+    script = textwrap.dedent(
+        f"""
+        import ray
+        from simstream import OnlineDataEngine, OnlineDataEngineCfg
+        from simstream.ray import RayBackend
+        from tests.support.sources import ScriptedSpec
+        ray.init(address={ray.get_runtime_context().gcs_address!r}, logging_level="WARNING",
+                 log_to_driver=False)
+        cfg = OnlineDataEngineCfg(source=ScriptedSpec(close_fault="raise"), buffer_size=4, num_workers=2,
+                                  backend=RayBackend(resources={{"sim": 1}}), initialization_timeout=120.0)
+        engine = OnlineDataEngine(cfg)
+        engine.start()
+        print("started", flush=True)
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=150, check=False
+    )
+    assert result.stdout.strip() == "started", result.stderr[-3000:]
+    # the exit hook stopped the engine before Ray disconnected: each source's close() ran (and raised)
+    assert "OSError: flush failed while closing the source" in result.stderr
+    wait_for(lambda: sim_available() == SIM_CPUS, "the script's actors to end")
+
+
 def test_sim_node_lost_and_added_again(cluster):
     """Last in the module: it replaces the cluster's sim node."""
     ray_cluster, sim_node = cluster

@@ -120,6 +120,10 @@ class EngineLifecycle:
             self._supervisor = RayProducers(shared, cfg, self._num_envs)
             _running_engines.add(self)
             self._supervisor.start()
+            # ray.init registered Ray's own exit hook, which would disconnect before ours closes the
+            # sources: registered again, ours runs first (exit hooks run last-registered first)
+            atexit.unregister(_stop_engines_at_exit)
+            atexit.register(_stop_engines_at_exit)
             shared.request_generation()
             return
         ctx = shared.context()

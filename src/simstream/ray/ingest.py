@@ -152,6 +152,9 @@ class RayProducers:
                 report.monitor_stopped = False
         try:
             self._close_actors(deadline, report)
+        except Exception as error:  # Ray is gone (disconnected, shut down): the closes are unconfirmed
+            logger.warning("closing the producer actors failed: %s", error)
+            report.forced = True
         finally:
             for producer in self._producers:
                 self._kill(producer)
