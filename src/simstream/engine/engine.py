@@ -392,27 +392,14 @@ class OnlineDataEngine(EngineLifecycle):
     def _producer_stats(self) -> list[dict[str, object]]:
         rows = self._shared.progress.producer_rows()
         supervisor = self._supervisor
-        if self.cfg.backend is not None:  # Ray actors: the pid may be another machine's
-            return self._remote_producer_stats(rows)
         dead = {label for label, _ in supervisor.dead_workers()} if supervisor is not None else set()
-        owner = self._is_owner()
+        owner, closing = self._is_owner(), self._shared.close_flag.is_set()
         for row in rows:
-            running = _pid_alive(row["pid"]) and not self._shared.close_flag.is_set()
-            if owner:
-                running = running and f"producer-{row['index']}" not in dead
-            row["alive"] = running
-            row["node_id"] = None
-        return rows
-
-    def _remote_producer_stats(self, rows: list[dict[str, object]]) -> list[dict[str, object]]:
-        """Ray backend: ``node_id`` and liveness come from the ingest thread, known in the owner only."""
-        supervisor = self._supervisor if self._is_owner() else None
-        info = supervisor.producer_info() if supervisor is not None else None
-        for row in rows:
-            row["node_id"] = None
-            row["alive"] = self.state is State.READY and not self._shared.close_flag.is_set()
-            if info is not None:
-                row.update(info[row["index"]])
+            if self.cfg.backend is not None:  # a Ray actor: its pid may be another machine's
+                running = self.state is State.READY and "ray-ingest" not in dead
+            else:
+                running = _pid_alive(row["pid"]) and f"producer-{row['index']}" not in dead
+            row["alive"] = running and not closing and (owner or self.state is State.READY)
         return rows
 
     def get_flow_status(self) -> dict[str, int | None]:

@@ -114,29 +114,20 @@ class EngineLifecycle:
 
     def _launch_workers(self) -> None:
         shared, cfg = self._shared, self.cfg
-        if cfg.backend is not None:  # Ray actors, fed into this process's buffer by an ingest thread
-            from ..ray.ingest import RayProducers
-
-            self._supervisor = RayProducers(shared, cfg, self._num_envs)
-            _running_engines.add(self)
-            self._supervisor.start()
-            # ray.init registered Ray's own exit hook, which would disconnect before ours closes the
-            # sources: registered again, ours runs first (exit hooks run last-registered first)
-            atexit.unregister(_stop_engines_at_exit)
-            atexit.register(_stop_engines_at_exit)
-            shared.request_generation()
-            return
         ctx = shared.context()
         if _forkserver_not_started():
             ctx.set_forkserver_preload(["simstream.engine.producer"])
-        specs = [
-            WorkerSpec(
-                label=f"producer-{worker}",
-                target=_PRODUCER_TARGET,
-                args=(shared, worker, start, end, self._spec_bytes, cfg.seed),
-            )
-            for worker, (start, end) in enumerate(cfg.worker_row_ranges(self._num_envs))
-        ]
+        if cfg.backend is not None:  # Ray actors, fed into the buffer by one ingest process
+            specs = [_ray_ingest_spec(shared, cfg, self._num_envs)]
+        else:
+            specs = [
+                WorkerSpec(
+                    label=f"producer-{worker}",
+                    target=_PRODUCER_TARGET,
+                    args=(shared, worker, start, end, self._spec_bytes, cfg.seed),
+                )
+                for worker, (start, end) in enumerate(cfg.worker_row_ranges(self._num_envs))
+            ]
         self._supervisor = WorkerSupervisor(
             ctx,
             shared.channel,
@@ -348,6 +339,25 @@ class EngineLifecycle:
                 self.stop()
         except BaseException:
             pass
+
+
+def _ray_ingest_spec(shared, cfg, num_envs: int) -> WorkerSpec:
+    """The ingest process of the Ray backend (``ray`` is imported here, only for such an engine)."""
+    import pickle
+
+    import ray
+
+    # A spec class defined in the user's script travels to the actors by value (cloudpickle), pickled
+    # here where it is __main__'s; the cluster this process is connected to, if any, is the one to join.
+    spec_bytes = ray.cloudpickle.dumps(cfg.source)
+    address = cfg.backend.address
+    if ray.is_initialized():
+        address = ray.get_runtime_context().gcs_address
+    return WorkerSpec(
+        label="ray-ingest",
+        target="simstream.ray.ingest:run_ingest",
+        args=(shared, pickle.dumps(cfg), spec_bytes, num_envs, address),
+    )
 
 
 def _forkserver_not_started() -> bool:

@@ -39,6 +39,7 @@ _PRODUCER = (
     "pid",
     "restarts",
 )
+_NODE_ID_BYTES = 64
 _CONSUMER_ROWS = 64
 """Sampling processes with a row of their own; any beyond share one more row under a lock."""
 
@@ -61,6 +62,8 @@ class ProducerProgress:
         self._num_workers = num_workers
         size = len(_SHARED) + num_workers * len(_PRODUCER) + _CONSUMER_ROWS + 1
         self._raw = ctx.RawArray("q", size)
+        self._node_ids = ctx.RawArray("c", num_workers * _NODE_ID_BYTES)
+        """Ray backend: each producer's node id (hex), written by the ingest process."""
         self._consumer_slots = ProcessSlots(_CONSUMER_ROWS)
         self._overflow_lock = SharedLock()
         self._request_lock = SharedLock()
@@ -187,6 +190,16 @@ class ProducerProgress:
         """Restarts of producer ``worker`` so far (Ray backend; written by its ingest, the row's writer)."""
         self._producers[worker, _PRODUCER.index("restarts")] = restarts
 
+    def set_worker_node(self, worker: int, node_id: str | None) -> None:
+        """The node producer ``worker`` runs on (Ray backend; ``None``: not known yet)."""
+        data = (node_id or "").encode()[:_NODE_ID_BYTES].ljust(_NODE_ID_BYTES, b"\0")
+        start = worker * _NODE_ID_BYTES
+        self._node_ids[start : start + _NODE_ID_BYTES] = data
+
+    def worker_node(self, worker: int) -> str | None:
+        start = worker * _NODE_ID_BYTES
+        return bytes(self._node_ids[start : start + _NODE_ID_BYTES]).rstrip(b"\0").decode() or None
+
     def allocate_episode_ids(self, count: int) -> int:
         """First of ``count`` fresh episode ids; the caller holds the publication lock."""
         first = int(self._shared[2])
@@ -219,7 +232,7 @@ class ProducerProgress:
 
     def producer_rows(self) -> list[dict[str, int]]:
         """One dict per producer: ``index``, ``pid``, ``episodes``, ``failed_episodes``, ``frames``,
-        ``completed_generation``, ``restarts``."""
+        ``completed_generation``, ``restarts``, ``node_id`` (Ray backend; else ``None``)."""
         return [
             {
                 "index": worker,
@@ -229,6 +242,7 @@ class ProducerProgress:
                 "frames": int(row[_PRODUCER.index("generated_frames")]),
                 "completed_generation": int(row[0]),
                 "restarts": int(row[_PRODUCER.index("restarts")]),
+                "node_id": self.worker_node(worker),
             }
             for worker, row in enumerate(self._producers.copy())
         ]
