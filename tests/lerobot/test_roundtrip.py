@@ -192,3 +192,33 @@ def test_skip_mode_counts_what_producers_overwrote(tmp_path):
     gate.before_claim(0, 4, torch.tensor([9, 9, 9, 9]), stop)  # detached: never waits
     with pytest.raises(ValueError, match="RecordGate mode must be 'wait' or 'skip', got 'drop'"):
         gate.attach("drop")
+
+
+def test_episode_writer_claim_passes_through_the_gate():
+    """The hook sits in EpisodeWriter.claim: every claim path (local producers, the Ray ingest) gets it."""
+    from simstream import Episode
+    from simstream.buffer.gate import RecordGate
+    from tests.support.harness import Harness
+
+    harness = Harness(rows=2, steps=8)
+    harness.writer.record_gate = gate = RecordGate(2)
+    harness.publish(0, Episode(length=8))  # published, never recorded
+    gate.attach("skip")
+    harness.writer.claim(0, 1)
+    assert gate.total_skipped() == 1 and int(harness.index.version[0]) % 2 == 1  # counted, then claimed
+
+    harness.writer.publish(0, 1, generation=2, episode_start=5)
+    gate.attach("wait")
+
+    class Closing(Exception):
+        pass
+
+    def closing():
+        raise Closing
+
+    with pytest.raises(Closing):  # unrecorded: the claim waits, and the caller's check ends the wait
+        harness.writer.claim(0, 1, check=closing)
+    assert int(harness.index.version[0]) % 2 == 0  # nothing claimed
+    gate.mark_recorded(0, 5)
+    harness.writer.claim(0, 1, check=closing)  # recorded: claims at once
+    assert int(harness.index.version[0]) % 2 == 1
