@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing import reduction
+from multiprocessing import context, reduction
 from typing import Any, ClassVar
 
 __all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock"]
@@ -195,6 +195,9 @@ class SharedLock:
         self._offset = 0
 
     def __reduce__(self):
+        # like every multiprocessing lock, only into a child being created: a descriptor duplicated for
+        # anything else is closed by this process later, which would drop its record locks on the file
+        context.assert_spawning(self)
         return _rebuild_lock, (reduction.DupFd(self._file.fd), self._offset)
 
     def is_held_here(self) -> bool:
@@ -227,17 +230,21 @@ class SharedLock:
             handle.holders[offset] = me
         except BaseException:
             if handle.holders.get(offset) != me:
+                # interrupted (Ctrl-C) right after the record lock was taken, before it was recorded: give
+                # it back too (no other thread of this process can hold it: this one has the thread lock)
+                fcntl.lockf(handle.fd, fcntl.LOCK_UN, 1, offset)
                 thread_lock.release()
             raise
 
     def release(self) -> None:
         handle, offset = self._file, self._offset
-        if handle.holders.pop(offset, None) is None:
+        if offset not in handle.holders:
             raise RuntimeError("SharedLock.release() of a lock this process does not hold")
-        try:
-            fcntl.lockf(handle.fd, fcntl.LOCK_UN, 1, offset)
-        finally:
-            handle.thread_lock(offset).release()
+        # the record lock first: interrupted after it, the lock is still recorded as this thread's, and
+        # its next acquire takes it over (releasing again is harmless)
+        fcntl.lockf(handle.fd, fcntl.LOCK_UN, 1, offset)
+        del handle.holders[offset]
+        handle.thread_lock(offset).release()
 
     def __enter__(self) -> SharedLock:
         """``with lock:`` waits as long as it takes (in slices, no check); prefer :meth:`held`."""
@@ -283,6 +290,7 @@ class ProcessSlots:
         self._file = _LockFile.adopt(_memfd(count))
 
     def __reduce__(self):
+        context.assert_spawning(self)  # see SharedLock.__reduce__
         return _rebuild_slots, (reduction.DupFd(self._file.fd), self.count)
 
     def mine(self) -> int | None:

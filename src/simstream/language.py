@@ -12,6 +12,8 @@ import json
 import math
 import multiprocessing
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,12 +93,14 @@ class SharedLanguageRegistry:
         self._refresh()
         return len(self._texts[kind])
 
-    def intern(self, description: str, *, kind: str = "task") -> int:
+    def intern(self, description: str, *, kind: str = "task", check: Callable[[], None] | None = None) -> int:
         """Returns the index of ``description`` within ``kind``, appending it when it is new.
 
         Args:
             description: Non-blank text; compared exactly (no normalisation).
             kind: ``"task"`` or ``"subtask"``; each kind has its own indices.
+            check: Called every 0.1 s while another process holds the append lock (a producer passes
+                its stop check); ends the wait by raising.
 
         Returns:
             The 0-based index, identical in every process and stable forever.
@@ -114,8 +118,8 @@ class SharedLanguageRegistry:
             return known
         line = json.dumps([kind, description], ensure_ascii=False, separators=(",", ":")) + "\n"
         encoded = line.encode("utf-8")
-        with self._append_lock.held(None):
-            self._refresh()
+        with self._append_lock.held(check), self._cache_lock:
+            self._refresh_cache()
             known = self._indices[kind].get(description)
             if known is not None:
                 return known
@@ -170,6 +174,7 @@ class SharedLanguageRegistry:
 
     def _reset_cache(self) -> None:
         self._pid = os.getpid()
+        self._cache_lock = threading.RLock()
         self._parsed = 0
         self._texts: dict[str, list[str]] = {kind: [] for kind in _KINDS}
         self._indices: dict[str, dict[str, int]] = {kind: {} for kind in _KINDS}
@@ -180,8 +185,13 @@ class SharedLanguageRegistry:
             self._reset_cache()
 
     def _refresh(self) -> None:
-        """Parse the lines appended since the last look (no lock: only whole lines lie below the length)."""
+        """Parse the lines appended since the last look (no shared lock: only whole lines lie below the
+        length; the per-process cache lock keeps this process's threads from parsing a line twice)."""
         self._ensure_process()
+        with self._cache_lock:
+            self._refresh_cache()
+
+    def _refresh_cache(self) -> None:
         length = int(self._length.value)
         if length <= self._parsed:
             return

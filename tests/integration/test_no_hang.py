@@ -336,3 +336,33 @@ def test_get_stats_lists_every_producer_in_the_owner_and_in_consumers():
         assert [p["alive"] for p in engine.get_stats()["producers"]] == [True, False]
     finally:
         stop_quietly(engine)
+
+
+def _take_and_stop(lock, taken) -> None:
+    lock.acquire(None)
+    taken.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_consumer_stopped_holding_the_refill_request_lock_does_not_hold_up_sampling():
+    engine = _two_producers(buffer_size=8, refill_threshold=1)
+    ctx = mp.get_context("fork")
+    taken = ctx.Event()
+    holder = ctx.Process(target=_take_and_stop, args=(engine._shared.progress._request_lock, taken))
+    holder.start()
+    try:
+        assert taken.wait(_BOUND_S)
+
+        def sample_many() -> int:
+            for _ in range(100):  # every second call is due a refill: the busy lock is skipped, not awaited
+                assert bool(engine.sample_batch(4, 3)["valid"].all())
+            return 100
+
+        thread, outcome = _in_thread(sample_many)
+        thread.join(_BOUND_S)
+        assert not thread.is_alive(), "sample_batch waited for a stopped consumer's request lock"
+        assert outcome == [100]
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(_BOUND_S)
+        engine.stop()

@@ -199,3 +199,29 @@ def test_entries_cross_process_boundaries(method):
         if child.is_alive():
             child.kill()
             child.join(JOIN_TIMEOUT_S)
+
+
+def test_threads_of_one_process_refreshing_at_once_keep_indices_right():
+    """The per-process cache is parsed under a thread lock: two threads never add one line twice."""
+    import threading as _threading
+
+    writer = SharedLanguageRegistry(1 << 16, context=mp.get_context("fork"))
+    reader = SharedLanguageRegistry.__new__(SharedLanguageRegistry)
+    reader.__setstate__(writer.__getstate__())
+    texts = [f"task {i}" for i in range(200)]
+    for text in texts:
+        writer.intern(text)
+    barrier = _threading.Barrier(4)
+
+    def resolve_all() -> None:
+        barrier.wait(30)
+        assert reader.resolve(torch.tensor([199])) == ["task 199"]
+
+    threads = [_threading.Thread(target=resolve_all) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert reader.count("task") == 200
+    assert reader.resolve(torch.arange(200)) == texts
+    assert reader.intern("task 7") == 7 and reader.intern("new") == 200

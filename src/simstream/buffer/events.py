@@ -194,9 +194,13 @@ class LifecycleEventLog:
         except _Stopped:
             return False
 
-    def release(self, count: int) -> None:
-        """Gives back ``count`` reserved slots that will not be appended (at most what is reserved)."""
-        with self._lock.held(None):
+    def release(self, count: int, check: Callable[[], None] | None = None) -> None:
+        """Gives back ``count`` reserved slots that will not be appended (at most what is reserved).
+
+        ``check`` is called every 0.1 s while another process holds the log's lock; it ends the wait by
+        raising (nothing is given back then).
+        """
+        with self._lock.held(check):
             self._cursor[2] -= min(count, int(self._cursor[2]))
         self._space_freed.ring()
 

@@ -160,8 +160,16 @@ class EpisodeWriter:
         if self.check_unwritten_frames:
             self.storage.poison_float_payload(start, end)
 
-    def write(self, start: int, episodes: Sequence[Episode], attempt: int) -> list[RowTables]:
+    def write(
+        self,
+        start: int,
+        episodes: Sequence[Episode],
+        attempt: int,
+        check: Callable[[], None] | None = None,
+    ) -> list[RowTables]:
         """Derive and store metadata and run tables of every row of the window (rows stay invisible).
+
+        ``check`` bounds the wait for the language registry's append lock (a producer's stop check).
 
         Raises:
             ValueError: with ``check_unwritten_frames``, when a float payload holds NaN (the unwritten
@@ -172,7 +180,7 @@ class EpisodeWriter:
         tables = []
         for offset, episode in enumerate(episodes):
             row = start + offset
-            derived = derive_row_metadata(episode, attempt, self.language)
+            derived = derive_row_metadata(episode, attempt, _Interning(self.language, check))
             length = episode.length
             for name, values in derived.items():
                 self.storage.metadata_array(name)[row, :length] = values
@@ -227,3 +235,13 @@ class EpisodeWriter:
         for name, value in values.items():
             target = self.storage.metadata(name)[start:end]
             target.copy_(torch.where(valid, value, torch.full_like(value, -1)))
+
+
+class _Interning:
+    """The language registry as ``derive_row_metadata`` uses it, with a caller's lock-wait check."""
+
+    def __init__(self, language, check: Callable[[], None] | None) -> None:
+        self._language, self._check = language, check
+
+    def intern(self, text: str, *, kind: str) -> int:
+        return self._language.intern(text, kind=kind, check=self._check)

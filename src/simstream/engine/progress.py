@@ -43,6 +43,10 @@ _NODE_ID_BYTES = 64
 _CONSUMER_ROWS = 64
 """Sampling processes with a row of their own; any beyond share one more row under a lock."""
 
+_REQUEST_WAIT_S = 0.01
+"""Longest wait of a sample for the request lock: a holder keeps it for microseconds; a stopped one
+must not hold up sampling (the request is simply made by a later sample)."""
+
 _WAKE_CAP_S = 0.05
 """Longest sleep between two looks at the state: a backstop for a ring that another waiter consumed."""
 
@@ -132,11 +136,22 @@ class ProducerProgress:
         """
         if not self._refill_due(refill_after):
             return
-        with self._request_lock.held(check):
-            if self._refill_due(refill_after):
-                self._shared[1] = self.sampled_total()
-                self._shared[0] = self.requested_generation + 1
-                self.wake_producers()
+        deadline = time.monotonic() + _REQUEST_WAIT_S
+
+        def busy() -> None:  # another requester (maybe stopped) holds it: its request coalesces with ours
+            if check is not None:
+                check()
+            if time.monotonic() >= deadline:
+                raise _RequestBusy
+
+        try:
+            with self._request_lock.held(busy, slice_s=_REQUEST_WAIT_S / 4):
+                if self._refill_due(refill_after):
+                    self._shared[1] = self.sampled_total()
+                    self._shared[0] = self.requested_generation + 1
+                    self.wake_producers()
+        except _RequestBusy:
+            pass  # the next sample looks again
 
     def _refill_due(self, refill_after: int) -> bool:
         return (
@@ -246,3 +261,7 @@ class ProducerProgress:
             }
             for worker, row in enumerate(self._producers.copy())
         ]
+
+
+class _RequestBusy(Exception):
+    """The request lock stayed taken past a sample's short wait."""

@@ -79,7 +79,7 @@ class WindowPublisher:
             Closing: the engine closed while waiting for the publication lock.
         """
         progress = self.shared.progress
-        self.writer.write(start, window.episodes, window.attempt)
+        self.writer.write(start, window.episodes, window.attempt, check=self._raise_if_closing)
         self._publish(start, end, generation)
         progress.add_for_worker(self.worker, "successful_episodes", end - start)
         progress.add_for_worker(self.worker, "generated_frames", reported_frames(window.episodes))
@@ -91,8 +91,11 @@ class WindowPublisher:
     def abandon(self) -> None:
         """Give back the log space of a window that will not be published (stopped or failed)."""
         if self._reserved_records:
-            self.shared.events.release(self._reserved_records)
-            self._reserved_records = 0
+            reserved, self._reserved_records = self._reserved_records, 0
+            try:  # a stopped holder of the log's lock is waited for only until the engine closes
+                self.shared.events.release(reserved, check=self._raise_if_closing)
+            except Closing:  # closing: the reservation no longer matters
+                pass
 
     def _publish(self, start: int, end: int, generation: int) -> None:
         shared, progress = self.shared, self.shared.progress

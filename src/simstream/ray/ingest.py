@@ -76,9 +76,13 @@ def run_ingest(
     producers = RayProducers(shared, cfg, num_envs, spec_bytes, address)
     try:
         producers.start()
+        # ray.init installs a SIGTERM handler that raises SystemExit, which would be published as this
+        # process's failure when the owner terminates it after its shutdown_timeout: die as a signal does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         producers.run()
     finally:
-        report = producers.shutdown(cfg.shutdown_timeout)
+        # half the owner's budget: the actors' kills and leaving Ray must fit in before it terminates us
+        report = producers.shutdown(cfg.shutdown_timeout / 2)
         if report.forced:
             shared.channel.publish(OnlineDataWorkerError(_DURABILITY_MESSAGE), "ray-ingest")
         shared.progress.notify()
