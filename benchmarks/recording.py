@@ -2,8 +2,9 @@
 
 Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`` checks that it runs.
 
-1. ``simstream record``'s loop, 2 producers on ``pick_place``, low-dim and with a 64x64 camera as AV1
-   video: episodes/s the producers publish while the owner requests generations back to back, without
+1. ``simstream record``'s loop, 2 producers on ``pick_place``, low-dim and with a 64x64 camera as video
+   (``--video-codec h264``, the record command's default, or ``av1``): episodes/s the producers publish
+   while the owner requests generations back to back, without
    and with a ``LeRobotRecorder`` (which producers wait for), in interleaved rounds; bytes per episode.
    Target: with / without >= 0.95.
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting),
@@ -37,6 +38,8 @@ class Args:
     rounds: int = 2
     """Interleaved rounds per candidate; tables print the median."""
     workers: int = 2
+    video_codec: str = "h264"
+    """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):
@@ -52,7 +55,7 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
     from simstream.lerobot import LeRobotRecorder
 
     engine = _engine(source, args.workers, 8 * args.workers, manual=True)
-    recorder = LeRobotRecorder(engine, record) if record is not None else None
+    recorder = LeRobotRecorder(engine, record, video_codec=args.video_codec) if record is not None else None
     if recorder is not None:
         recorder.start()
     with engine:
@@ -76,7 +79,9 @@ def sampling(source, args: Args, record: Path | None) -> float:
     from simstream.lerobot import LeRobotRecorder
 
     engine = _engine(source, args.workers, 64, manual=False)
-    recorder = LeRobotRecorder(engine, record).start() if record is not None else None
+    recorder = (
+        LeRobotRecorder(engine, record, video_codec=args.video_codec).start() if record is not None else None
+    )
     with engine:
         first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
         while time.monotonic() - began < args.seconds:
@@ -101,10 +106,12 @@ def run(args: Args) -> int:
 
     torch.set_num_threads(1)
     if args.quick:
-        args = Args(quick=True, seconds=2.0, rounds=1, workers=args.workers)
+        args = Args(quick=True, seconds=2.0, rounds=1, workers=args.workers, video_codec=args.video_codec)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
-    sources = {"low-dim": make_source("pick_place"), "64x64 video": make_source("pick_place", image_size=64)}
+    video = f"64x64 video ({args.video_codec})"
+    sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}
     flags = " --quick" if args.quick else f" --seconds {args.seconds:g} --rounds {args.rounds}"
+    flags += f" --video-codec {args.video_codec}"
     print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
     rows = []
     try:

@@ -54,6 +54,16 @@ def test_record_writes_a_dataset_and_says_where(tmp_path, capsys):
     assert "(4 episodes, LeRobot v3.0)" in capsys.readouterr().out
 
 
+def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
+    out = tmp_path / "video"
+    args = ["record", "--task", "pick_place", "--episodes", "2", "--out", str(out), "--num-workers", "1"]
+    assert simstream([*args, "--buffer-size", "2", "--image-size", "32"]) == 0
+    feature = read_dataset_meta(out).info["features"]["observation.image"]
+    assert feature["dtype"] == "video" and feature["info"]["video.codec"] == "h264"
+    assert feature["info"]["video.preset"] == "ultrafast"
+    assert simstream([*args, "--buffer-size", "2", "--image-size", "32", "--video-codec", "vp9"]) == 2
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [

@@ -13,18 +13,27 @@ from simstream.buffer.writer import derive_row_metadata
 from simstream.language import SharedLanguageRegistry
 from simstream.lerobot import LeRobotRecorder, LeRobotSpec
 from simstream.lerobot.dataset import read_dataset_meta
+from simstream.lerobot.writer import DatasetWriter
 
 from .sources import TASKS, PatternSpec, expected_segments, pattern
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _record(root, *, image_size=None, video=True, episodes=10, on_full="wait", num_workers=2):
+def _record(
+    root, *, image_size=None, video=True, episodes=10, on_full="wait", num_workers=2, video_codec="av1"
+):
     spec = PatternSpec(image_size=image_size)
     cfg = OnlineDataEngineCfg(source=spec, buffer_size=4, num_workers=num_workers, refill_policy="manual")
     engine = OnlineDataEngine(cfg)
     recorder = LeRobotRecorder(
-        engine, root, video=video, max_episodes=episodes, flush_every=3, on_full=on_full
+        engine,
+        root,
+        video=video,
+        max_episodes=episodes,
+        flush_every=3,
+        on_full=on_full,
+        video_codec=video_codec,
     )
     with recorder, engine:
         while not recorder.wait_flushed(episodes, timeout_s=0.5):
@@ -139,10 +148,11 @@ def test_png_images_round_trip_exactly(tmp_path):
         source.close()
 
 
-def test_video_round_trips_within_tolerance(tmp_path):
-    _record(tmp_path / "vid", image_size=32, episodes=4, num_workers=1)
+@pytest.mark.parametrize("codec", ["av1", "h264"])
+def test_video_round_trips_within_tolerance(tmp_path, codec):
+    _record(tmp_path / "vid", image_size=32, episodes=4, num_workers=1, video_codec=codec)
     meta = read_dataset_meta(tmp_path / "vid")
-    assert meta.info["features"]["observation.image"]["info"]["video.codec"] == "av1"
+    assert meta.info["features"]["observation.image"]["info"]["video.codec"] == codec
     source = LeRobotSpec(tmp_path / "vid").build(0, 0)
     errors = []
     try:
@@ -154,8 +164,19 @@ def test_video_round_trips_within_tolerance(tmp_path):
     finally:
         source.close()
     errors = np.concatenate(errors)
-    # stated tolerance: AV1 CRF 30 on a smooth (mod-256 wrapping) pattern, mean error <= 8/255
+    # stated tolerance: AV1 CRF 30 or H.264 CRF 23 on a smooth (mod-256 wrapping) pattern, mean <= 8/255
     assert errors.mean() <= 8 and np.median(errors) <= 4
+
+
+def test_appending_keeps_the_datasets_codec_and_a_bad_codec_is_refused(tmp_path):
+    _record(tmp_path / "vid", image_size=32, episodes=2, num_workers=1, video_codec="h264")
+    recorder, _ = _record(tmp_path / "vid", image_size=32, episodes=2, num_workers=1, video_codec="av1")
+    assert recorder.writer.video_codec == "h264"
+    meta = read_dataset_meta(tmp_path / "vid")
+    assert meta.info["features"]["observation.image"]["info"]["video.codec"] == "h264"
+    assert meta.info["total_episodes"] == 4
+    with pytest.raises(ValueError, match=r"video_codec must be one of \['av1', 'h264'\], got 'vp9'"):
+        DatasetWriter(tmp_path / "other", [], 20, video_codec="vp9")
 
 
 def test_skip_mode_counts_what_producers_overwrote(tmp_path):

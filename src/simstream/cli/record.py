@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ._report import exit_code
 
@@ -34,6 +35,9 @@ class RecordArgs:
     """Leave out episodes that ended truncated (they are counted)."""
     no_video: bool = False
     """Store cameras as PNG images inside the parquet files (lossless) instead of AV1 video."""
+    video_codec: Literal["h264", "av1"] = "h264"
+    """Codec of camera videos: ``h264`` (about a third of AV1's encoding CPU, so recording keeps up with
+    the producers) or ``av1`` (LeRobot's default, about half the bytes). Appending keeps the dataset's."""
     key_map: list[str] = field(default_factory=list)
     """``LEROBOT_KEY=FIELD`` overrides of the naming rule, e.g. ``observation.images.front=obs/image``."""
     skip_when_behind: bool = False
@@ -80,6 +84,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         engine,
         out,
         video=not args.no_video,
+        video_codec=args.video_codec,
         key_map=key_map,
         max_episodes=args.episodes,
         only_success=args.only_success,

@@ -43,7 +43,9 @@ class LeRobotRecorder:
             the first generation too).
         root: Dataset folder.
         fps: Frames per second; default the source spec's ``fps`` (the built-in tasks: 20).
-        video: Cameras (uint8 ``[3, H, W]`` fields) as AV1 video (default) or PNG images.
+        video: Cameras (uint8 ``[3, H, W]`` fields) as video (default) or PNG images.
+        video_codec: ``"av1"`` (LeRobot's default, smallest files) or ``"h264"`` (about a third of the
+            encoding CPU, about twice the bytes); an appended dataset keeps its own.
         key_map: ``{lerobot_key: field_name}`` overrides of the naming rule.
         max_episodes: Stop recording after this many (then producers run freely).
         only_success: Record only episodes whose last frame is not truncated; the others are counted.
@@ -64,6 +66,7 @@ class LeRobotRecorder:
         *,
         fps: int | None = None,
         video: bool = True,
+        video_codec: str = "av1",
         key_map: dict[str, str] | None = None,
         max_episodes: int | None = None,
         only_success: bool = False,
@@ -91,7 +94,7 @@ class LeRobotRecorder:
         self.engine = engine
         self._shared = engine._shared
         self.features = features_from_fields(dict(spec.fields()), KeyMap(key_map), video)
-        self.writer = DatasetWriter(root, self.features, fps, robot_type)
+        self.writer = DatasetWriter(root, self.features, fps, robot_type, video_codec)
         self.root = self.writer.root
         self.max_episodes = max_episodes
         self.only_success = only_success

@@ -33,10 +33,9 @@ from .format import (
     EPISODES_PATH,
     EXTRA_KEYS,
     STAT_NAMES,
-    VIDEO_CRF,
+    VIDEO_CODECS,
     VIDEO_GOP,
     VIDEO_PATH,
-    VIDEO_PRESET,
     Feature,
     LeRobotFormatError,
     aggregate_stats,
@@ -86,8 +85,17 @@ class DatasetWriter:
     """
 
     def __init__(
-        self, root: Path | str, features: list[Feature], fps: int, robot_type: str | None = None
+        self,
+        root: Path | str,
+        features: list[Feature],
+        fps: int,
+        robot_type: str | None = None,
+        video_codec: str = "av1",
     ) -> None:
+        if video_codec not in VIDEO_CODECS:
+            raise ValueError(f"video_codec must be one of {sorted(VIDEO_CODECS)}, got {video_codec!r}")
+        self.video_codec = video_codec
+        """Codec of new video files; an appended dataset keeps the one its ``info.json`` names."""
         self.root = Path(root)
         self.features = features
         self.fps = int(fps)
@@ -112,11 +120,18 @@ class DatasetWriter:
     def _resume(self) -> None:
         state = repair(self.root)
         info = state["info"]
+        codecs = {
+            entry.get("info", {}).get("video.codec")
+            for entry in info["features"].values()
+            if entry.get("dtype") == "video"
+        }
+        if len(codecs) == 1 and next(iter(codecs)) in VIDEO_CODECS:
+            self.video_codec = next(iter(codecs))
         if info.get("fps") != self.fps:
             raise ValueError(
                 f"{self.root}/meta/info.json: fps is {info.get('fps')}, the recording's is {self.fps}"
             )
-        expected = info_features(self.features, self.fps)
+        expected = info_features(self.features, self.fps, self.video_codec)
         if set(info["features"]) != set(expected) or any(
             info["features"][k]["dtype"] != v["dtype"] or list(info["features"][k]["shape"]) != v["shape"]
             for k, v in expected.items()
@@ -200,8 +215,9 @@ class DatasetWriter:
         _, height, width = feature.shape
         starts, count = [], 0
         with av.open(str(tmp), "w", format="mp4") as container:
-            options = {"g": str(VIDEO_GOP), "crf": str(VIDEO_CRF), "preset": str(VIDEO_PRESET)}
-            stream = container.add_stream("libsvtav1", rate=self.fps, options=options)
+            codec = VIDEO_CODECS[self.video_codec]
+            options = {"g": str(VIDEO_GOP), "crf": str(codec["crf"]), "preset": str(codec["preset"])}
+            stream = container.add_stream(codec["encoder"], rate=self.fps, options=options)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             for episode in group:
                 starts.append(count / self.fps)
@@ -309,7 +325,7 @@ class DatasetWriter:
         info = {
             "codebase_version": CODEBASE_VERSION,
             "fps": self.fps,
-            "features": info_features(self.features, self.fps),
+            "features": info_features(self.features, self.fps, self.video_codec),
             "total_episodes": self.episodes_flushed,
             "total_frames": self.frames_flushed,
             "total_tasks": len(self.tasks),
