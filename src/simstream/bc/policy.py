@@ -74,6 +74,15 @@ def absolute_actions(relative: torch.Tensor, anchor_state: torch.Tensor) -> torc
     return torch.cat([joints, relative[..., NUM_JOINTS:]], dim=-1)
 
 
+def masked_target_stats(targets: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation (floored at 1e-3) of ``targets [N, F, 8]`` over unmasked entries."""
+    weight = loss_mask[..., None].to(targets.dtype)
+    count = weight.sum(0).clamp_min(1.0)
+    mean = (targets * weight).sum(0) / count
+    var = ((targets - mean) ** 2 * weight).sum(0) / count
+    return mean, var.sqrt().clamp_min(1e-3)
+
+
 def masked_chunk_loss(
     prediction: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -157,12 +166,9 @@ class ChunkPolicy(nn.Module):
         frames = features[valid]
         self.feature_mean.copy_(frames.mean(0))
         self.feature_std.copy_(frames.std(0).clamp_min(1e-3))
-        weight = loss_mask[..., None].to(targets.dtype)
-        count = weight.sum(0).clamp_min(1.0)
-        mean = (targets * weight).sum(0) / count
-        var = ((targets - mean) ** 2 * weight).sum(0) / count
+        mean, std = masked_target_stats(targets, loss_mask)
         self.target_mean.copy_(mean)
-        self.target_std.copy_(var.sqrt().clamp_min(1e-3))
+        self.target_std.copy_(std)
 
     def normalize_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Relative actions ``[B, F, 8]`` -> the network's output space."""

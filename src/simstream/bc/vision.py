@@ -23,7 +23,14 @@ from torch import nn
 
 from .._validation import require, require_int
 from .camera_source import image_key
-from .policy import _KEPT_STATE, ACTION_DIM, NUM_JOINTS, absolute_actions, relative_actions
+from .policy import (
+    _KEPT_STATE,
+    ACTION_DIM,
+    NUM_JOINTS,
+    absolute_actions,
+    masked_target_stats,
+    relative_actions,
+)
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -188,12 +195,9 @@ class VisionPolicy(nn.Module):
         frames = proprio[valid]
         self.proprio_mean.copy_(frames.mean(0))
         self.proprio_std.copy_(frames.std(0).clamp_min(1e-3))
-        weight = loss_mask[..., None].to(targets.dtype)
-        count = weight.sum(0).clamp_min(1.0)
-        mean = (targets * weight).sum(0) / count
-        var = ((targets - mean) ** 2 * weight).sum(0) / count
+        mean, std = masked_target_stats(targets, loss_mask)
         self.target_mean.copy_(mean)
-        self.target_std.copy_(var.sqrt().clamp_min(1e-3))
+        self.target_std.copy_(std)
 
     def normalize_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Relative actions ``[B, F, 8]`` -> the network's output space."""
