@@ -179,9 +179,6 @@ class SharedLock:
     producer its stop check). A thread that finds the lock recorded as its own was interrupted (Ctrl-C)
     between taking and using it: it takes it over instead of waiting on itself.
 
-    Args:
-        ctx: Unused; accepted for symmetry with the other primitives.
-
     Examples:
         >>> lock = SharedLock()
         >>> with lock.held(check=None):
@@ -189,8 +186,7 @@ class SharedLock:
         True
     """
 
-    def __init__(self, ctx: Any = None) -> None:
-        del ctx
+    def __init__(self) -> None:
         self._file = _LockFile.adopt(_memfd(1))
         self._offset = 0
 
@@ -311,21 +307,3 @@ def _rebuild_slots(dup_fd, count: int) -> ProcessSlots:
     slots.count = count
     slots._file = _LockFile.adopt(dup_fd.detach())
     return slots
-
-
-def bounded_sleep_until(predicate: Callable[[], bool], deadline: float, check: Callable[[], None]) -> bool:
-    """Poll ``predicate`` with a short doubling backoff until it holds (``True``) or ``deadline`` passes.
-
-    ``check`` runs before every look and ends the wait by raising. For waits nobody can ring a doorbell
-    for (several sleepers in several processes).
-    """
-    backoff = _FIRST_BACKOFF_S * 10
-    while True:
-        check()
-        if predicate():
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(backoff, left))
-        backoff = min(backoff * 2, 0.01)
