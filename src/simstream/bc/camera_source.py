@@ -65,14 +65,9 @@ class CameraSourceSpec:
 
     def fields(self) -> dict[str, Field]:
         """Payload names and per-frame layouts."""
-        from simstream.tasks import ACTION_DIM, OBJECTS_DIM, STATE_DIM
+        from simstream.tasks.spec import low_dim_fields
 
-        fields = {
-            "obs/state": Field((STATE_DIM,)),
-            "obs/objects": Field((OBJECTS_DIM,)),
-            "actions": Field((ACTION_DIM,)),
-            "rewards": Field(()),
-        }
+        fields = low_dim_fields()
         for camera in self.cameras:
             fields[image_key(camera)] = Field((3, self.image_size, self.image_size), torch.uint8)
         return fields

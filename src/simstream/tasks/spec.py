@@ -14,7 +14,17 @@ from .registry import get_task
 if TYPE_CHECKING:
     from .source import TaskEpisodeSource
 
-__all__ = ["TaskSourceSpec", "make_source"]
+__all__ = ["TaskSourceSpec", "low_dim_fields", "make_source"]
+
+
+def low_dim_fields() -> dict[str, Field]:
+    """The built-in tasks' low-dimensional payload: state, object poses, actions and rewards."""
+    return {
+        "obs/state": Field((STATE_DIM,)),
+        "obs/objects": Field((OBJECTS_DIM,)),
+        "actions": Field((ACTION_DIM,)),
+        "rewards": Field(()),
+    }
 
 
 @dataclass(frozen=True)
@@ -55,12 +65,7 @@ class TaskSourceSpec:
 
     def fields(self) -> dict[str, Field]:
         """Payload names and per-frame layouts."""
-        fields = {
-            "obs/state": Field((STATE_DIM,)),
-            "obs/objects": Field((OBJECTS_DIM,)),
-            "actions": Field((ACTION_DIM,)),
-            "rewards": Field(()),
-        }
+        fields = low_dim_fields()
         if self.image_size is not None:
             fields["obs/image"] = Field((3, *self.image_size), torch.uint8)
         return fields
