@@ -99,6 +99,10 @@ def test_collector_died_error_keeps_its_fields_and_pickles():
         ({"entropy_coef": math.inf}, "APPOConfig.entropy_coef must be a finite number >= 0, got inf"),
         ({"init_log_std": True}, "APPOConfig.init_log_std must be a number in [-5, 2], got True"),
         (
+            {"weight_refresh": "update"},
+            "APPOConfig.weight_refresh must be 'step' or 'rollout', got 'update'",
+        ),
+        (
             {"mode": "lockstep"},
             "APPOConfig.mode must be one of 'async', 'sync', 'serial', got 'lockstep'",
         ),
@@ -306,6 +310,21 @@ def test_ppo_loss_on_policy_has_unit_ratio_and_no_clipping():
     assert abs(float(loss.kl_target)) < 1e-6 and abs(float(loss.kl_behaviour)) < 1e-6
     loss.total.backward()
     assert model.log_std.grad is not None
+
+
+def test_ppo_loss_ratio_is_anchored_at_the_target_not_the_behaviour_policy():
+    """Stale data (behaviour far from target) starts every ratio at 1: the trust region is the target's."""
+    model = ActorCritic(3, 2, (8,), -0.5)
+    obs = torch.randn(64, 3)
+    dist = model.distribution(obs)
+    actions = dist.sample()
+    target_logp = dist.log_prob(actions).sum(-1).detach()
+    behaviour_logp = target_logp + torch.linspace(-2.0, 2.0, 64)  # ratios pi_target/mu from e^-2 to e^2
+    loss = ppo_loss(dist, model.value(obs), actions, behaviour_logp, target_logp, model.distribution(obs),
+                    torch.randn(64), torch.randn(64),
+                    clip_ratio=0.2, value_coef=0.5, entropy_coef=0.0)  # fmt: skip
+    assert float(loss.clip_fraction) == 0.0
+    assert float(loss.kl_behaviour) > 0.5  # the behaviour policy really is far away
 
 
 def test_check_finite_names_the_tensor():

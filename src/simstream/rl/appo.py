@@ -119,14 +119,15 @@ def ppo_loss(
     value_coef: float,
     entropy_coef: float,
 ) -> PPOLoss:
-    """IMPACT surrogate: a clipped PPO objective anchored at the target network.
+    """IMPACT surrogate (Luo et al. 2020): a clipped PPO objective anchored at the target network.
 
-    ``ratio = min(1, mu/pi_target) * pi_theta/mu``: equal to ``pi_theta/pi_target`` unless the behaviour
-    policy was more likely than the target, when it falls back to ``pi_theta/mu``. Advantages are
-    normalised per minibatch.
+    ``ratio = pi_theta / pi_target``, clipped to ``1 +- clip_ratio``: the trust region is around the target
+    policy, not the behaviour policy, so data a version or two old still moves the policy by a full step.
+    The off-policy correction is applied once, inside ``advantages`` (V-trace's truncated
+    ``rho = min(rho_bar, pi_target / mu)``). Advantages are normalised per minibatch.
     """
     logp = dist.log_prob(actions).sum(-1)
-    log_ratio = (behaviour_logp - target_logp).clamp(max=0.0) + (logp - behaviour_logp)
+    log_ratio = logp - target_logp
     ratio = log_ratio.exp()
     adv = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * adv)

@@ -95,6 +95,7 @@ class APPORunner(AsyncRunner):
             obs_dim=self.obs_dim, act_dim=self.act_dim, hidden_sizes=tuple(cfg.hidden_sizes),
             init_log_std=cfg.init_log_std, gamma=cfg.gamma, reward_scale=cfg.reward_scale,
             normalize_obs=cfg.normalize_obs, sync=cfg.mode == "sync",
+            refresh_each_step=cfg.weight_refresh == "step",
         )  # fmt: skip
 
     def _ensure_started(self, crash_dir: str | None) -> None:
@@ -189,9 +190,9 @@ class APPORunner(AsyncRunner):
 
     def _iterate(self, started: float) -> dict[str, float]:
         waited = time.perf_counter()
-        taken, batch, episodes, timing = self._next_batch()
+        taken, batch, episodes, timing, versions = self._next_batch()
         updated = time.perf_counter()
-        lags = [self.policy_version - t.version for t in taken]
+        lags = (self.policy_version - versions).flatten().tolist()
         metrics = self.learner.update(batch)
         timing["learner/update_s"] = time.perf_counter() - updated
         timing["learner/wait_s"] = updated - waited
@@ -226,7 +227,9 @@ class APPORunner(AsyncRunner):
         self.history.append(row)
         return row
 
-    def _next_batch(self) -> tuple[list[TakenSlot], dict, list[tuple[float, float]], dict[str, float]]:
+    def _next_batch(
+        self,
+    ) -> tuple[list[TakenSlot], dict, list[tuple[float, float]], dict[str, float], torch.Tensor]:
         cfg, ring = self.config, self.ring
         if self._serial is not None:
             self._serial.pull_weights(lambda: False, -1)
@@ -254,7 +257,7 @@ class APPORunner(AsyncRunner):
                 data["episode_returns"][i, :count].tolist(), data["episode_lengths"][i, :count].tolist()
             )
         timing = dict(zip(TIMING_KEYS, data["timing_s"].mean(0).tolist()))
-        return taken, batch, episodes, timing
+        return taken, batch, episodes, timing, data["versions"]
 
     def _should_stop(
         self, row: dict, max_env_frames: int | None, target_return: float | None, max_wall_s: float | None

@@ -1,8 +1,9 @@
 """The APPO collector: steps a vector of gymnasium environments with the latest policy into the ring.
 
 Runs in the spawned collector process (:func:`run_appo_collector`) or, in serial mode, inside the learner
-(:class:`RolloutCollector` used directly). Weights are applied only between rollouts, so every rollout
-comes from exactly one policy version, which it carries in the ring.
+(:class:`RolloutCollector` used directly). A newly published policy is applied at the next step
+(``weight_refresh="step"``, the default) or only between rollouts (``"rollout"``); every step records the
+version that chose its action, and the ring stamps the rollout with its oldest version.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class CollectorSpec:
     reward_scale: float
     normalize_obs: bool
     sync: bool
+    refresh_each_step: bool = True
 
 
 def describe_env(env_id: str) -> tuple[int, int]:
@@ -75,6 +77,7 @@ def ring_fields(spec: CollectorSpec) -> dict[str, tuple[tuple[int, ...], torch.d
         "obs": ((t, n, spec.obs_dim), f32),
         "actions": ((t, n, spec.act_dim), f32),
         "logp": ((t, n), f32),
+        "versions": ((t,), torch.int64),
         "rewards": ((t, n), f32),
         "dones": ((t, n), f32),
         "last_obs": ((n, spec.obs_dim), f32),
@@ -97,7 +100,8 @@ def _make_vector_env(env_id: str, num_envs: int):
 class RolloutCollector:
     """Owns the vector env, a CPU copy of the policy and the running episode statistics.
 
-    Invariant: ``self.version`` is the version of the weights every step of the current rollout used.
+    Invariant: ``self.version`` is the version of the weights the next step will use; ``versions[t]`` in the
+    ring is the version that produced step ``t``'s action and log-probability.
     """
 
     def __init__(
@@ -142,9 +146,12 @@ class RolloutCollector:
             time.sleep(0.0005)
         self._waited_s += time.perf_counter() - began
         if self.weights.version != self.version:
-            self.version = self.weights.read_into(self._vector, on_retry=self.beat)
-            unpack_policy(self._vector, self.model, self.normalizer)
+            self._load_weights()
         return True
+
+    def _load_weights(self) -> None:
+        self.version = self.weights.read_into(self._vector, on_retry=self.beat)
+        unpack_policy(self._vector, self.model, self.normalizer)
 
     def collect(self, should_stop: Callable[[], bool]) -> bool:
         """Write one rollout into a ring slot and commit it; ``False`` if stopped first."""
@@ -156,16 +163,22 @@ class RolloutCollector:
         view = {name: tensor[slot] for name, tensor in self.ring.data.items()}
         episodes = 0
         self._env_s = 0.0
+        oldest = self.version
         for t in range(self.spec.steps):
             if should_stop():
                 return False
             self.beat()
+            # A policy published mid-rollout is used from the next step on: each step records the
+            # version whose log-probability it stored, so the learner's data is as fresh as it can be.
+            if self.spec.refresh_each_step and self.weights.version != self.version:
+                self._load_weights()
+            view["versions"][t] = self.version
             episodes = self._step(view, t, episodes)
         view["last_obs"].copy_(self.obs)
         view["num_episodes"].fill_(episodes)
         waited, self._waited_s = self._waited_s + started - began, 0.0
         view["timing_s"].copy_(torch.tensor([time.perf_counter() - started, self._env_s, waited]))
-        self.ring.commit(slot, self.version)
+        self.ring.commit(slot, oldest)
         return True
 
     def _step(self, view: dict[str, torch.Tensor], t: int, episodes: int) -> int:

@@ -64,6 +64,10 @@ class APPOConfig:
     """Rollouts the shared-memory ring holds."""
     overflow: Literal["block", "drop_oldest"] = "block"
     """Full ring: ``block`` makes the collector wait (back-pressure); ``drop_oldest`` overwrites (counted)."""
+    weight_refresh: Literal["step", "rollout"] = "step"
+    """When the collector applies a newly published policy (async mode): ``step`` at the next environment
+    step, so a rollout may hold several versions, each step stamped with its own (fresher data, lower
+    policy lag); ``rollout`` only between rollouts (one version per rollout)."""
     max_policy_lag: int | None = 8
     """Rollouts whose policy is more than this many versions behind the learner are dropped (counted)."""
     mode: Mode = "async"
@@ -129,6 +133,7 @@ class APPOConfig:
         ):
             require_int(owner, name, getattr(self, name), low)
         require_choice(owner, "overflow", self.overflow, ("block", "drop_oldest"))
+        require_choice(owner, "weight_refresh", self.weight_refresh, ("step", "rollout"))
         require_choice(owner, "mode", self.mode, MODES)
         if self.max_policy_lag is not None:
             require_int(owner, "max_policy_lag", self.max_policy_lag, 0)
