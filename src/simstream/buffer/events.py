@@ -14,13 +14,16 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._sync import Doorbell, SharedLock
 
-__all__ = ["LifecycleEventLog"]
+__all__ = ["EVICTED", "PUBLISHED", "LifecycleEventLog"]
 
 _KINDS = ("published", "evicted")
+PUBLISHED, EVICTED = range(2)
+"""Kind codes of :meth:`LifecycleEventLog.append_columns` (indices into the kinds)."""
 # Column order of the int64 record table.
 _FIELDS = ("kind", "sequence", "run_id", "episode_id", "generation", "slot", "monotonic_ns")
 _SCALARS = _FIELDS[2:]
@@ -78,11 +81,12 @@ class LifecycleEventLog:
         self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (3,))
         self._raw_table, self._table = _shared_tensor(ctx, torch.int64, (capacity, len(_FIELDS)))
         self._raw_masks, self._masks = _shared_tensor(ctx, torch.bool, (capacity, 2, max_steps))
+        self._numpy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # Tensor views are rebuilt from the raw arrays, which pickle only while a child is being created.
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_cursor", "_table", "_masks"):
+        for name in ("_cursor", "_table", "_masks", "_numpy"):
             del state[name]
         return state
 
@@ -91,6 +95,14 @@ class LifecycleEventLog:
         self._cursor = _view(self._raw_cursor, torch.int64, (3,))
         self._table = _view(self._raw_table, torch.int64, (self.capacity, len(_FIELDS)))
         self._masks = _view(self._raw_masks, torch.bool, (self.capacity, 2, self.max_steps))
+        self._numpy = None
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """NumPy views of cursor, table and masks (per process): an append's few small writes cost a
+        fraction of the same writes through torch."""
+        if self._numpy is None:
+            self._numpy = (self._cursor.numpy(), self._table.numpy(), self._masks.numpy())
+        return self._numpy
 
     def pending(self) -> int:
         """Number of records appended and not drained yet."""
@@ -131,26 +143,86 @@ class LifecycleEventLog:
         if not records:
             return []
         rows, valid, anchor = self._encode(records)
-        count = len(records)
+        return self._write(rows.numpy(), valid.numpy(), anchor.numpy(), reserved, check)
+
+    def append_columns(
+        self,
+        kind: np.ndarray,
+        scalars: np.ndarray,
+        valid_mask: np.ndarray,
+        anchor_mask: np.ndarray,
+        *,
+        reserved: bool = False,
+        check: Callable[[], None] | None = None,
+    ) -> list[int]:
+        """:meth:`append` for records given as NumPy columns: one check and one copy for all of them.
+
+        Args:
+            kind: ``[N]`` integer kinds, :data:`PUBLISHED` or :data:`EVICTED`.
+            scalars: ``[N, 5]`` int64 ``(run_id, episode_id, generation, slot, monotonic_ns)``.
+            valid_mask: ``[N, max_steps]`` bool.
+            anchor_mask: ``[N, max_steps]`` bool (kept only where frames are valid).
+            reserved, check: As in :meth:`append`.
+
+        Returns:
+            The sequence numbers assigned, consecutive and in row order.
+
+        Raises:
+            ValueError: If a column has the wrong shape or a kind is unknown; nothing is written.
+            RuntimeError: As in :meth:`append`.
+        """
+        count = len(kind) if np.ndim(kind) == 1 else -1
+        shapes_ok = (
+            count >= 0
+            and np.shape(scalars) == (count, len(_SCALARS))
+            and np.shape(valid_mask) == (count, self.max_steps)
+            and np.shape(anchor_mask) == (count, self.max_steps)
+        )
+        if not shapes_ok:
+            raise ValueError(
+                f"lifecycle columns must be kind [N], scalars [N, {len(_SCALARS)}] and masks "
+                f"[N, {self.max_steps}]"
+            )
+        if count == 0:
+            return []
+        if ((kind < 0) | (kind >= len(_KINDS))).any():
+            raise ValueError(f"lifecycle kinds must be indices into {_KINDS}")
+        rows = np.empty((count, len(_FIELDS)), dtype=np.int64)
+        rows[:, 0] = kind
+        rows[:, 2:] = scalars
+        valid = np.asarray(valid_mask, dtype=bool)
+        return self._write(rows, valid, np.asarray(anchor_mask, dtype=bool) & valid, reserved, check)
+
+    def _write(
+        self,
+        rows: np.ndarray,
+        valid: np.ndarray,
+        anchor: np.ndarray,
+        reserved: bool,
+        check: Callable[[], None] | None,
+    ) -> list[int]:
+        """Appends encoded records (``rows`` in table layout, sequence column unset) all or none."""
+        count = len(rows)
+        cursor, table, masks = self._arrays()
         with self._lock.held(check):
-            first = int(self._cursor[0])
+            first = int(cursor[0])
             if reserved:
-                if int(self._cursor[2]) < count:
+                if int(cursor[2]) < count:
                     raise RuntimeError(
                         f"ODS lifecycle event log: appending {count} records into a reservation of "
-                        f"{int(self._cursor[2])}"
+                        f"{int(cursor[2])}"
                     )
-                self._cursor[2] -= count
+                cursor[2] -= count
             elif self._free_locked() < count:
                 raise RuntimeError("ODS lifecycle event capacity exhausted")
-            sequences = torch.arange(first, first + count, dtype=torch.int64)
+            sequences = np.arange(first, first + count, dtype=np.int64)
             positions = sequences % self.capacity
             rows[:, 1] = sequences
-            self._table[positions] = rows
-            self._masks[positions, 0] = valid
-            self._masks[positions, 1] = anchor
+            table[positions] = rows
+            masks[positions, 0] = valid
+            masks[positions, 1] = anchor
             # Publishing the cursor last keeps a concurrent drain from reading half-written records.
-            self._cursor[0] = first + count
+            cursor[0] = first + count
         return sequences.tolist()
 
     def reserve(self, count: int, should_stop: Callable[[], bool], poll_s: float = 0.05) -> bool:
@@ -186,7 +258,7 @@ class LifecycleEventLog:
             while True:
                 with self._lock.held(check):
                     if self._free_locked() >= count:
-                        self._cursor[2] += count
+                        self._arrays()[0][2] += count
                         return True
                 check()
                 # a drain between the look above and this sleep rang the bell: the sleep ends at once
@@ -200,8 +272,9 @@ class LifecycleEventLog:
         ``check`` is called every 0.1 s while another process holds the log's lock; it ends the wait by
         raising (nothing is given back then).
         """
+        cursor = self._arrays()[0]
         with self._lock.held(check):
-            self._cursor[2] -= min(count, int(self._cursor[2]))
+            cursor[2] -= min(count, int(cursor[2]))
         self._space_freed.ring()
 
     def drain(self, check: Callable[[], None] | None = None) -> list[dict[str, Any]]:
@@ -235,10 +308,11 @@ class LifecycleEventLog:
         return {"next_sequence": end, "pending": end - start, "reserved": reserved}
 
     def _pending_locked(self) -> int:
-        return int(self._cursor[0] - self._cursor[1])
+        cursor = self._arrays()[0]
+        return int(cursor[0]) - int(cursor[1])
 
     def _free_locked(self) -> int:
-        return self.capacity - self._pending_locked() - int(self._cursor[2])
+        return self.capacity - self._pending_locked() - int(self._arrays()[0][2])
 
     def _encode(self, records: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """Validates records and packs them into the table row and mask layout."""

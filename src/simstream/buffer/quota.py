@@ -12,6 +12,7 @@ import multiprocessing
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._sync import SharedLock
@@ -111,28 +112,28 @@ class EpisodeQuota:
         """
         if not _is_int_vector(rows) or not _is_int_vector(episode_ids):
             raise ValueError(_PUBLISH_ERROR)
-        rows = rows.to(device="cpu", dtype=torch.int64)
-        episode_ids = episode_ids.to(device="cpu", dtype=torch.int64)
+        # NumPy for the checks and the store: a publication costs a few microseconds, not ~50
+        rows = rows.to(device="cpu", dtype=torch.int64).numpy()
+        episode_ids = episode_ids.to(device="cpu", dtype=torch.int64).numpy()
         fresh = (
-            rows.numel() >= 1
+            rows.size >= 1
             and episode_ids.shape == rows.shape
             and type(generation) is int
             and generation >= 1
             and int(rows.min()) >= 0
             and int(rows.max()) < self.num_rows
-            and torch.unique(rows).numel() == rows.numel()
+            and np.unique(rows).size == rows.size
             and bool((episode_ids[1:] > episode_ids[:-1]).all())
             and int(episode_ids[0]) > self.max_published_episode_id
         )
         if not fresh:
             raise ValueError(_PUBLISH_ERROR)
-        values = torch.empty((rows.numel(), 4), dtype=torch.int64)
-        values[:, _EPISODE] = episode_ids
-        values[:, _GENERATION] = generation
-        values[:, _ASSIGNED] = self.budget
-        values[:, _DELIVERED] = 0
-        self._rows[rows] = values
-        self._meta[_HIGH_WATER] = episode_ids[-1]
+        table = self._rows.numpy()
+        table[rows, _EPISODE] = episode_ids
+        table[rows, _GENERATION] = generation
+        table[rows, _ASSIGNED] = self.budget
+        table[rows, _DELIVERED] = 0
+        self._meta.numpy()[_HIGH_WATER] = episode_ids[-1]
 
     def remaining(self, rows: torch.Tensor) -> torch.Tensor:
         """Deliveries each row may still serve: ``min(assigned, hard_limit) - delivered`` (int64)."""

@@ -73,6 +73,7 @@ class TrajectoryStorage:
         self._metadata_arrays: dict[str, np.ndarray] = {}
         self._payload_tails: list[tuple[np.ndarray | torch.Tensor, float | int]] | None = None
         self._float_payloads: list[tuple[str, np.ndarray | torch.Tensor]] | None = None
+        self._metadata_resets: list[tuple[np.ndarray | torch.Tensor, float | int]] | None = None
 
     @staticmethod
     def shared_bytes(layout: SourceLayout, buffer_size: int, include_provenance: bool) -> int:
@@ -87,6 +88,7 @@ class TrajectoryStorage:
         state["_metadata_arrays"] = {}
         state["_payload_tails"] = None
         state["_float_payloads"] = None
+        state["_metadata_resets"] = None
         return state
 
     @property
@@ -131,8 +133,11 @@ class TrajectoryStorage:
     def reset_metadata(self, start: int, end: int) -> None:
         """Metadata of rows ``[start, end)`` back to the unwritten state (``valid`` false, ids -1)."""
         lo, hi = start * self.max_steps, end * self.max_steps
-        for spec in self.iter_specs(payload=False):
-            self.flat[spec.path][lo:hi].fill_(spec.unwritten)
+        if self._metadata_resets is None:  # NumPy slice fills: a fraction of torch's fill_ per call
+            metadata = self.iter_specs(payload=False)
+            self._metadata_resets = [(_array_or_tensor(self.flat[s.path]), s.unwritten) for s in metadata]
+        for flat, unwritten in self._metadata_resets:
+            flat[lo:hi] = unwritten
 
     def poison_payload_tail(self, row: int, length: int) -> None:
         """Payload frames ``[length, T)`` of ``row`` back to the unwritten value (NaN for floats)."""
@@ -171,6 +176,29 @@ class TrajectoryStorage:
             if nan.any():
                 return name, int(nan.reshape(length, -1).any(axis=1).argmax())
         return None
+
+    def first_row_with_unwritten_frames(self, start: int, lengths: np.ndarray) -> int | None:
+        """The first of rows ``start, start + 1, ...`` whose float payload holds NaN in a frame
+        ``t < lengths[i]`` (its offset ``i``), or ``None``: one vectorised pass per key for all the rows."""
+        rows, steps = len(lengths), self.max_steps
+        longest = int(lengths.max()) if rows else 0
+        if longest == 0:
+            return None
+        lo, hi = start * steps, (start + rows) * steps
+        reported = None if bool((lengths == longest).all()) else np.arange(longest) < lengths[:, None]
+        first = rows
+        for _, flat in self._float_arrays():
+            frames = flat[lo:hi].reshape(rows, steps, -1)[:, :longest]
+            nan = np.isnan(frames) if isinstance(frames, np.ndarray) else torch.isnan(frames).numpy()
+            if reported is None:  # every row reports every frame read: one test in the usual case
+                if not nan.any():
+                    continue
+                bad = nan.reshape(rows, -1).any(axis=1)
+            else:
+                bad = (nan.any(axis=2) & reported).any(axis=1)
+            if bad[:first].any():
+                first = int(bad.argmax())
+        return None if first == rows else first
 
     def _float_arrays(self) -> list[tuple[str, np.ndarray | torch.Tensor]]:
         if self._float_payloads is None:
