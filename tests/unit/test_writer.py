@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 from simstream import Episode, Field, Segment
 from simstream.buffer.index import compute_row_tables, segment_row_tables
 from simstream.buffer.storage import TrajectoryStorage
-from simstream.buffer.writer import EpisodeWriter
-from simstream.config import SourceLayout
+from simstream.buffer.writer import EpisodeWriter, derive_row_metadata, derive_rows_metadata
+from simstream.config import METADATA_KEYS, SourceLayout
 from simstream.sources import validate_episodes
 from tests.support.harness import Harness
 
@@ -180,3 +181,101 @@ def test_the_check_can_be_turned_off_for_sources_whose_data_holds_nan():
     harness.storage.rows_view(0, 1, payload_only=True)["actions"][0, :8] = 1.0  # "obs" stays NaN
     harness.writer.write(0, [Episode(8)], attempt=0)
     assert bool(harness.storage.metadata("valid")[0].all())
+
+
+def _reference_row(episode: Episode, attempt: int, language, steps: int) -> dict[str, np.ndarray]:
+    """The per-row derivation written out frame by frame (the oracle of the vectorised one)."""
+    length = episode.length
+    row = {
+        name: np.full(steps, False if name in _BOOLS else -1, dtype=bool if name in _BOOLS else np.int64)
+        for name in METADATA_KEYS
+    }
+    if not length:
+        return row
+    text = episode.instruction or "unknown_task"
+    row["valid"][:length] = True
+    row["episode_step"][:length] = np.arange(length)
+    row["segment_attempt_id"][:length] = attempt
+    row["task_index"][:length] = language.intern(text, kind="task")
+    row["subtask_index"][:length] = language.intern(text, kind="subtask")
+    row["continuity_id"][:length] = 0 if episode.continuity is None else list(episode.continuity)
+    segments = list(episode.segments) or [Segment(0, length)]
+    for k, segment in enumerate(segments):
+        lo, hi = segment.start, segment.end
+        if lo == hi:
+            continue
+        row["segment_id"][lo:hi] = k
+        row["segment_step"][lo:hi] = np.arange(hi - lo)
+        row["segment_accepted"][lo:hi] = segment.accepted
+        row["segment_start"][lo] = row["segment_end"][hi - 1] = True
+        if segment.instruction is not None and segment.instruction.strip():
+            row["subtask_index"][lo:hi] = language.intern(segment.instruction, kind="subtask")
+    row["terminated"][length - 1], row["truncated"][length - 1] = episode.terminated, episode.truncated
+    row["segment_end"][length - 1] |= episode.terminated or episode.truncated
+    return row
+
+
+_BOOLS = {name for name, dtype in METADATA_KEYS.items() if dtype == torch.bool}
+
+
+@st.composite
+def _episodes(draw) -> Episode:
+    length, segments = draw(_segment_layouts())
+    texts = st.sampled_from([None, "", "reach", "grasp", "lift"])
+    continuity = None
+    if draw(st.booleans()):
+        continuity = sorted(draw(st.lists(st.integers(-1, 2), min_size=length, max_size=length)))
+    return Episode(
+        length,
+        instruction=draw(texts),
+        segments=[Segment(lo, hi, draw(texts), ok) for lo, hi, ok in segments],
+        continuity=continuity,
+        terminated=draw(st.booleans()),
+        truncated=draw(st.booleans()),
+    )
+
+
+@given(st.lists(st.tuples(_episodes(), st.integers(0, 3)), min_size=1, max_size=6))
+def test_rows_derived_together_equal_each_row_derived_alone(rows):
+    episodes, attempts = [episode for episode, _ in rows], [attempt for _, attempt in rows]
+    together, alone = Harness(rows=1, steps=40), Harness(rows=1, steps=40)
+    derived = derive_rows_metadata(episodes, attempts, together.language, 40)
+    for offset, (episode, attempt) in enumerate(rows):
+        expected = _reference_row(episode, attempt, alone.language, 40)
+        row = derive_row_metadata(episode, attempt, alone.language)  # the one-row path
+        for name in METADATA_KEYS:
+            np.testing.assert_array_equal(derived[name][offset], expected[name], err_msg=f"{offset} {name}")
+            one = np.broadcast_to(row[name], (episode.length,))
+            np.testing.assert_array_equal(one, expected[name][: episode.length], err_msg=f"{offset} {name}")
+    for kind in ("task", "subtask"):  # texts interned in the same order: the same ids
+        assert together.language.count(kind) == alone.language.count(kind)
+        ids = torch.arange(alone.language.count(kind))
+        assert together.language.resolve(ids, kind=kind) == alone.language.resolve(ids, kind=kind)
+
+
+@given(st.lists(_segment_layouts(), min_size=1, max_size=6))
+def test_tables_written_for_many_rows_at_once_equal_each_rows_segment_tables(layouts):
+    together, alone = Harness(rows=len(layouts), steps=40), Harness(rows=len(layouts), steps=40)
+    episodes = [
+        Episode(length, segments=[Segment(lo, hi, None, ok) for lo, hi, ok in segments])
+        for length, segments in layouts
+    ]
+    together.writer.check_unwritten_frames = False
+    together.writer.claim(0, len(layouts))
+    with mock.patch("simstream.buffer.writer._MANY_ROWS", 1):  # the vectorised pass, even for one row
+        together.writer.write(0, episodes, attempt=0)
+    alone.index.begin_write(0, len(layouts))
+    for row, (length, segments) in enumerate(layouts):
+        segments = segments or ([(0, length, True)] if length else [])  # none reported: the whole episode
+        alone.index.write_tables(row, segment_row_tables(length, segments))
+    for name in (
+        "valid_frames",
+        "num_runs",
+        "run_lo",
+        "run_hi",
+        "longest_run",
+        "point",
+        "num_points",
+        "longest_point_run",
+    ):
+        assert torch.equal(getattr(together.index, name), getattr(alone.index, name)), name
