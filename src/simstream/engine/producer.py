@@ -112,7 +112,7 @@ class _Producer:
             )
             if window is None:
                 return False
-            publisher.finish(start, end, window, generation)
+            publisher.finish(start, end, [window], generation)
             return True
         except Closing:  # stopped while waiting for a shared lock: the window stays unpublished
             return False

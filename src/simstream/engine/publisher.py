@@ -1,20 +1,22 @@
-"""Publish one window into the shared buffer: claim, write, publish (``docs/design.md``, "Write protocol").
+"""Publish windows into the shared buffer: claim, write, publish (``docs/design.md``, "Write protocol").
 
-This half of a producer knows shared memory and nothing of sources. A local producer process claims the
-rows, lets its source write into them (:func:`~simstream.engine.window.generate_window`), then finishes
-the window; the Ray backend's ingest path in the owner claims the rows once a window arrived by value,
-copies its payload in and finishes it the same way. Both are the single writer of their producer's rows
-and progress row.
+This half of a producer knows shared memory and nothing of sources. A local producer process claims a
+window's rows, lets its source write into them (:func:`~simstream.engine.window.generate_window`), then
+finishes the window; the Ray backend's ingest process claims the rows of all the windows one call
+returned (consecutive, disjoint) at once, copies their payloads in and finishes them together. One
+window is the case of one; both are the single writer of their producer's rows and progress row.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-from ..buffer.writer import EpisodeWriter
+from ..buffer.events import EVICTED, PUBLISHED
+from ..buffer.writer import EpisodeWriter, PublishedWindow
 from .shared import EngineShared
 from .window import GeneratedWindow, reported_frames
 
@@ -26,10 +28,17 @@ class Closing(Exception):
 
 
 class WindowPublisher:
-    """Claims, writes and publishes the windows of one producer.
+    """Claims, writes and publishes the windows of one producer, one window or several together.
+
+    Several consecutive windows (rows ``[start, end)``, ``window_rows`` each, disjoint) are published as
+    one: one claim of all their rows, one write pass, one hold of the publication lock and one lifecycle
+    append, with the same records, episode ids and order as publishing them one by one; a failure before
+    publication leaves none of them visible. One window is the case ``window_rows == end - start``.
 
     Owns the producer's lifecycle-log reservation between :meth:`begin` and :meth:`finish` (given back by
-    :meth:`abandon` when the window is not published).
+    :meth:`abandon` when the windows are not published), and the ``evicted`` records of all windows but
+    the first, which are appended just before each window's ``published`` ones (the first window's when
+    it is claimed): the order of one-by-one publication.
 
     Args:
         shared: The engine's shared objects.
@@ -50,19 +59,28 @@ class WindowPublisher:
             record_gate=shared.record_gate,  # a recorder's copy comes before any overwrite
         )
         self._reserved_records = 0
-        """Lifecycle-log slots reserved for the current window's ``published`` records."""
+        """Lifecycle-log slots reserved and not appended yet (the claimed windows' remaining records)."""
+        self._pending_evictions: tuple[_Columns, np.ndarray] | None = None
+        """``evicted`` records of the claimed windows after the first, with each record's window number."""
 
     def _raise_if_closing(self) -> None:
         if self.closing():
             raise Closing
 
-    def begin(self, start: int, end: int) -> bool:
-        """Reserve the window's lifecycle records (logging its evictions), then claim its rows.
+    def begin(self, start: int, end: int, window_rows: int | None = None) -> bool:
+        """Reserve the windows' lifecycle records (logging the first window's evictions), then claim
+        their rows.
+
+        Args:
+            start, end: The rows of the windows, ``window_rows`` each (default: one window).
 
         Returns:
             ``False`` when the engine closed while waiting for log space (nothing claimed).
         """
-        if self.shared.events is not None and not self._log_evictions(start, end):
+        window_rows = window_rows or end - start
+        if (end - start) % window_rows:
+            raise ValueError(f"rows [{start}, {end}) are not whole windows of {window_rows} rows")
+        if self.shared.events is not None and not self._log_evictions(start, end, window_rows):
             return False
         self.writer.claim(start, end, check=self._raise_if_closing)  # Closing: nothing claimed
         return True
@@ -71,33 +89,48 @@ class WindowPublisher:
         """Rows back to unwritten before another attempt."""
         self.writer.reset_metadata(start, end)
 
-    def finish(self, start: int, end: int, window: GeneratedWindow, generation: int) -> None:
-        """Check and write the window's rows, then publish them (they become sampleable).
+    def finish(self, start: int, end: int, windows: Sequence[GeneratedWindow], generation: int) -> None:
+        """Check and write the windows' rows, then publish them together (they become sampleable).
+
+        Args:
+            start, end: The claimed rows, ``(end - start) / len(windows)`` per window, in order.
+            windows: The generated windows.
+            generation: Their fill generation.
 
         Raises:
-            ValueError: a reported float frame is unwritten; the rows stay claimed.
+            ValueError: a reported float frame is unwritten; the rows stay claimed (none visible).
             Closing: the engine closed while waiting for the publication lock.
         """
+        window_rows = (end - start) // len(windows)
+        episodes = [episode for window in windows for episode in window.episodes]
+        attempts = [window.attempt for window in windows for _ in window.episodes]
+        self.writer.write(start, episodes, attempts, check=self._raise_if_closing, window_rows=window_rows)
+        self._publish(start, end, generation, window_rows)
         progress = self.shared.progress
-        self.writer.write(start, window.episodes, window.attempt, check=self._raise_if_closing)
-        self._publish(start, end, generation)
         progress.add_for_worker(self.worker, "successful_episodes", end - start)
-        progress.add_for_worker(self.worker, "generated_frames", reported_frames(window.episodes))
+        progress.add_for_worker(self.worker, "generated_frames", reported_frames(episodes))
 
     def count_failed(self, episodes: int) -> None:
         """Count episodes of failed attempts (never published)."""
         self.shared.progress.add_for_worker(self.worker, "failed_episodes", episodes)
 
     def abandon(self) -> None:
-        """Give back the log space of a window that will not be published (stopped or failed)."""
-        if self._reserved_records:
+        """Give back the log space of windows that will not be published (stopped or failed); their rows
+        were claimed, so the ``evicted`` records still pending are appended first."""
+        pending, self._pending_evictions = self._pending_evictions, None
+        if not self._reserved_records:
+            return
+        events = self.shared.events
+        try:  # a stopped holder of the log's lock is waited for only until the engine closes
+            if pending is not None:
+                events.append_columns(*pending[0], reserved=True, check=self._raise_if_closing)
+                self._reserved_records -= len(pending[1])
             reserved, self._reserved_records = self._reserved_records, 0
-            try:  # a stopped holder of the log's lock is waited for only until the engine closes
-                self.shared.events.release(reserved, check=self._raise_if_closing)
-            except Closing:  # closing: the reservation no longer matters
-                pass
+            events.release(reserved, check=self._raise_if_closing)
+        except Closing:  # closing: the reservation no longer matters
+            self._reserved_records = 0
 
-    def _publish(self, start: int, end: int, generation: int) -> None:
+    def _publish(self, start: int, end: int, generation: int, window_rows: int) -> None:
         shared, progress = self.shared, self.shared.progress
         check = self._raise_if_closing
         with shared.publish_lock.held(check):
@@ -110,35 +143,60 @@ class WindowPublisher:
             else:
                 window = self.writer.publish(start, end, generation, first_id)
             if shared.events is not None:
-                records = [
-                    self._record("published", row, window.published_monotonic_ns) for row in range(start, end)
-                ]
-                shared.events.append(records, reserved=True, check=check)
-                self._reserved_records -= len(records)
+                self._append_records(window, window_rows)
 
-    def _log_evictions(self, start: int, end: int) -> bool:
+    def _append_records(self, window: PublishedWindow, window_rows: int) -> None:
+        """One append of every window's ``evicted`` (pending) and ``published`` records, window by window."""
+        rows = np.arange(window.start, window.end)
+        columns = self._columns(
+            PUBLISHED, rows, window.episode_ids.numpy(), window.generation, window.published_monotonic_ns
+        )
+        pending, self._pending_evictions = self._pending_evictions, None
+        if pending is not None:
+            evicted, evicted_windows = pending
+            order_key = np.concatenate([2 * evicted_windows, 2 * ((rows - window.start) // window_rows) + 1])
+            order = np.argsort(order_key, kind="stable")
+            columns = tuple(np.concatenate([a, b])[order] for a, b in zip(evicted, columns))
+        count = len(columns[0])
+        self.shared.events.append_columns(*columns, reserved=True, check=self._raise_if_closing)
+        self._reserved_records -= count
+
+    def _log_evictions(self, start: int, end: int, window_rows: int) -> bool:
         events, index = self.shared.events, self.shared.index
-        published = [row for row in range(start, end) if int(index.episode_id[row]) >= 0]
-        # one reservation for both kinds: other workers cannot take the space between the two appends
+        published = np.flatnonzero(index.episode_id.numpy()[start:end] >= 0)
+        # one reservation for both kinds: other workers cannot take the space between the appends
         if not events.reserve(end - start + len(published), self.closing):
             return False
-        self._reserved_records = end - start
-        if published:
-            now = time.monotonic_ns()
-            records = [self._record("evicted", row, now) for row in published]
-            events.append(records, reserved=True, check=self._raise_if_closing)
+        self._reserved_records = end - start + len(published)
+        if not len(published):
+            return True
+        rows = published + start
+        old_ids, old_generations = index.episode_id.numpy()[rows], index.generation.numpy()[rows]
+        evicted = self._columns(EVICTED, rows, old_ids, old_generations, time.monotonic_ns())
+        windows = published // window_rows
+        first = windows == 0
+        if first.any():
+            events.append_columns(*(c[first] for c in evicted), reserved=True, check=self._raise_if_closing)
+            self._reserved_records -= int(first.sum())
+        if not first.all():
+            later = ~first
+            self._pending_evictions = (tuple(c[later] for c in evicted), windows[later])
         return True
 
-    def _record(self, kind: str, row: int, monotonic_ns: int) -> dict:
-        storage, index = self.shared.storage, self.shared.index
-        valid = storage.metadata("valid")[row].clone()
-        return {
-            "kind": kind,
-            "run_id": self.shared.run_id,
-            "episode_id": int(index.episode_id[row]),
-            "generation": int(index.generation[row]),
-            "slot": row,
-            "monotonic_ns": monotonic_ns,
-            "valid_mask": valid,
-            "anchor_mask": valid & (storage.metadata("continuity_id")[row] >= 0),
-        }
+    def _columns(self, kind: int, rows: np.ndarray, episode_ids, generations, monotonic_ns: int) -> _Columns:
+        """Lifecycle records of ``rows`` as :meth:`LifecycleEventLog.append_columns` takes them."""
+        storage = self.shared.storage
+        count = len(rows)
+        scalars = np.empty((count, 5), dtype=np.int64)
+        scalars[:, 0] = self.shared.run_id
+        scalars[:, 1] = episode_ids
+        scalars[:, 2] = generations
+        scalars[:, 3] = rows
+        scalars[:, 4] = monotonic_ns
+        valid = storage.metadata_array("valid")[rows]  # advanced indexing: a copy
+        anchor = valid & (storage.metadata_array("continuity_id")[rows] >= 0)
+        return np.full(count, kind, dtype=np.int64), scalars, valid, anchor
+
+
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""``(kind, scalars, valid_mask, anchor_mask)`` of :meth:`LifecycleEventLog.append_columns`."""

@@ -9,9 +9,12 @@ thread, two Ray producers delivered 0.5 episodes/s while the demo trained, again
 producers. :class:`RayProducers` drives every actor: it asks an actor for a window only while the
 engine's requested generation is ahead of what that producer completed (idle producers stay idle), keeps
 at most ``calls_in_flight`` calls of ``windows_per_call`` windows each per actor, and waits on Ray with
-``ray.wait`` in short slices, holding no lock meanwhile. A window that arrives is published with
-:class:`~simstream.engine.publisher.WindowPublisher`: claim, copy the payload in, write, publish, exactly
-as a local producer does; the ingest process is the single writer of its producers' progress rows.
+``ray.wait`` in short slices, holding no lock meanwhile. The windows of a call that arrives are
+published together with :class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their
+rows, the payloads copied in, one write pass, one publication (one lock hold, one lifecycle append), with
+the same records, ids and order as one-by-one publication; a producer's last window, whose rows may
+overlap the one before, is published on its own. The ingest process is the single writer of its
+producers' progress rows.
 Failures:
 
 * an exception in the source arrives as Ray's task error; its cause (the original exception) is
@@ -316,40 +319,60 @@ class RayProducers:
         call = producer.calls.popleft()
         producer.head_since = now
         try:
-            for offset, payload in enumerate(value):  # fewer than asked only when the actor is closing
-                self._publish(producer, call.number + offset, call.generation, payload)
+            self._publish_call(producer, call, value)
         except Closing:
             raise
         except Exception as error:  # e.g. a reported frame left unwritten: fails the engine, as locally
             self._shared.channel.publish(error, producer.label)
             raise Closing from None
 
-    def _publish(self, producer: _Producer, number: int, generation: int, payload: WindowPayload) -> None:
+    def _publish_call(self, producer: _Producer, call: _Call, payloads: list[WindowPayload]) -> None:
+        """Publish the windows of one call (fewer than asked only when the actor is closing) in as few
+        groups as their rows allow: consecutive windows with disjoint rows go together (one claim, one
+        publication); only a producer's last window, which may overlap the one before, starts a group
+        of its own, so every row's records are those of one-by-one publication."""
+        first = 0
+        for offset in range(1, len(payloads) + 1):
+            number = call.number + offset
+            if (
+                offset == len(payloads)
+                or producer.starts[number] != producer.starts[number - 1] + self._num_envs
+            ):
+                self._publish(producer, call.number + first, call.generation, payloads[first:offset])
+                first = offset
+
+    def _publish(
+        self, producer: _Producer, number: int, generation: int, payloads: list[WindowPayload]
+    ) -> None:
+        """Publish consecutive windows ``number, number + 1, ...`` (disjoint rows) together."""
         progress = self._shared.progress
         if number == 0:
             producer.began_ns = time.monotonic_ns()
+        num_envs = self._num_envs
         start = producer.starts[number]
-        end = start + self._num_envs
+        end = start + num_envs * len(payloads)
         publisher = self._publishers[producer.index]
-        if payload.window.failed_episodes:
-            publisher.count_failed(payload.window.failed_episodes)
+        for payload in payloads:
+            if payload.window.failed_episodes:
+                publisher.count_failed(payload.window.failed_episodes)
         try:
-            if not publisher.begin(start, end):
+            if not publisher.begin(start, end, num_envs):
                 raise Closing
-            targets = self._targets(start, end)
-            for name, frames in payload.frames.items():
-                _copy_into(targets[name][:, : frames.shape[1]], frames)
-            publisher.finish(start, end, payload.window, generation)
+            for offset, payload in enumerate(payloads):
+                targets = self._targets(start + offset * num_envs)
+                for name, frames in payload.frames.items():
+                    _copy_into(targets[name][:, : frames.shape[1]], frames)
+            publisher.finish(start, end, [payload.window for payload in payloads], generation)
         finally:
             publisher.abandon()
-        if number == len(producer.starts) - 1:
+        if number + len(payloads) == len(producer.starts):
             progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - producer.began_ns)
             progress.set_worker_completed(producer.index, generation)
 
-    def _targets(self, start: int, end: int) -> dict[str, np.ndarray | torch.Tensor]:
+    def _targets(self, start: int) -> dict[str, np.ndarray | torch.Tensor]:
         views = self._payload_views.get(start)
         if views is None:
-            rows = self._shared.storage.rows_view(start, end, payload_only=True)
+            rows = self._shared.storage.rows_view(start, start + self._num_envs, payload_only=True)
             views = {}
             for spec in self._shared.storage.iter_specs(payload=True):
                 tensor = rows.get(spec.path)

@@ -1,0 +1,207 @@
+"""Publishing several windows together: the same rows, ids, quotas and lifecycle records, in the same
+order, as publishing them one by one; a failure before publication leaves none of them visible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from simstream import Episode, OnlineDataEngine, Segment
+from simstream.engine.publisher import WindowPublisher
+from simstream.engine.window import GeneratedWindow
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_ENVS, STEPS, WINDOWS = 2, 12, 3
+ROWS = NUM_ENVS * WINDOWS
+
+
+def _engine(**overrides) -> OnlineDataEngine:
+    spec = ScriptedSpec(num_envs=NUM_ENVS, max_episode_steps=STEPS)
+    values = {
+        "buffer_size": ROWS,
+        "include_provenance": True,
+        "episode_sample_budget": 3,
+        "episode_sample_hard_limit": 5,
+        "lifecycle_event_capacity": 4 * ROWS,
+    }
+    values.update(overrides)
+    return OnlineDataEngine(make_cfg(spec, **values))  # never started: its shared objects only
+
+
+def _windows(generation: int) -> list[GeneratedWindow]:
+    """Varied reports: lengths, segments with and without text, continuity, flags, attempts."""
+    windows = []
+    for number in range(WINDOWS):
+        episodes = []
+        for env in range(NUM_ENVS):
+            length = STEPS - (number + env + generation) % 5
+            half = length // 2
+            segments = [Segment(0, half, f"first {number}"), Segment(half, length, None, accepted=env == 0)]
+            continuity = [0] * half + [1] * (length - half) if number == 1 else None
+            episodes.append(
+                Episode(
+                    length,
+                    instruction=f"task {env}",
+                    segments=segments,
+                    continuity=continuity,
+                    terminated=env == 0,
+                    truncated=env == 1,
+                )
+            )
+        windows.append(GeneratedWindow(episodes, attempt=number % 2, failed_episodes=0))
+    return windows
+
+
+def _fill_payload(engine: OnlineDataEngine, start: int, end: int, unwritten_row=None) -> None:
+    rows = engine._shared.storage.rows_view(start, end, payload_only=True)
+    for key in ("obs", "actions", "rewards"):
+        for offset in range(end - start):
+            rows[key][offset] = float(start + offset + 1)
+    if unwritten_row is not None:
+        rows["actions"][unwritten_row - start, 0] = float("nan")
+
+
+def _publish(engine, windows, generation: int, together: bool, unwritten_row=None) -> None:
+    publisher = WindowPublisher(engine._shared, 0, lambda: False)
+    try:
+        if together:
+            assert publisher.begin(0, ROWS, NUM_ENVS)
+            _fill_payload(engine, 0, ROWS, unwritten_row)
+            publisher.finish(0, ROWS, windows, generation)
+        else:
+            for number, window in enumerate(windows):
+                start = number * NUM_ENVS
+                assert publisher.begin(start, start + NUM_ENVS)
+                _fill_payload(engine, start, start + NUM_ENVS, unwritten_row)
+                publisher.finish(start, start + NUM_ENVS, [window], generation)
+                publisher.abandon()
+    finally:
+        publisher.abandon()
+
+
+def _state(engine: OnlineDataEngine) -> dict:
+    shared = engine._shared
+    records = engine._shared.events.drain()
+    for record in records:
+        assert record.pop("run_id") == engine.run_id
+        record.pop("monotonic_ns")
+    buffer = {
+        key: value.clone()
+        for key, value in shared.storage.rows_view().items(include_nested=True, leaves_only=True)
+        if key not in ("ods_run_id", "ods_accepted_at_ns", "ods_published_at_monotonic_ns")
+    }
+    index = shared.index
+    return {
+        "records": records,
+        "buffer": buffer,
+        "index": {name: value.clone() for name, value in vars(index).items() if torch.is_tensor(value)},
+        "quota": shared.quota.state_dict(),
+        "language": [
+            shared.language.resolve(torch.arange(shared.language.count(k)), kind=k)
+            for k in ("task", "subtask")
+        ],
+    }
+
+
+def test_windows_published_together_equal_windows_published_one_by_one():
+    one_by_one, together = _engine(), _engine()
+    for generation in (1, 2):  # the second generation evicts every episode of the first
+        windows = _windows(generation)
+        _publish(one_by_one, windows, generation, together=False)
+        _publish(together, windows, generation, together=True)
+        expected, actual = _state(one_by_one), _state(together)
+        assert actual["records"] == expected["records"]
+        kinds = [(r["kind"], r["slot"]) for r in actual["records"]]
+        if generation == 2:  # per window: its evictions, then its publications
+            assert kinds[:4] == [("evicted", 0), ("evicted", 1), ("published", 0), ("published", 1)]
+        for part in ("buffer", "index"):
+            for key, value in expected[part].items():
+                torch.testing.assert_close(actual[part][key], value, rtol=0, atol=0, equal_nan=True)
+        for key in ("rows", "meta"):
+            assert torch.equal(actual["quota"][key], expected["quota"][key])
+        assert actual["language"] == expected["language"]
+    ids = together._shared.index.episode_id
+    assert ids.tolist() == list(range(ROWS, 2 * ROWS))  # unique and increasing, in row order
+
+
+def test_a_failure_before_publication_leaves_none_of_the_windows_visible():
+    engine = _engine()
+    _publish(engine, _windows(1), 1, together=True)
+    engine._shared.events.drain()
+    shared = engine._shared
+    before_quota = shared.quota.state_dict()["rows"].clone()
+    with pytest.raises(ValueError, match=r"buffer row 3 \(row 1 of the rollout\)"):
+        _publish(engine, _windows(2), 2, together=True, unwritten_row=3)  # the middle window's last row
+    index = shared.index
+    assert not bool(index.stable_rows().any())  # every claimed row stays odd: samplers skip them all
+    assert index.episode_id.tolist() == [-1] * ROWS
+    assert not bool(shared.storage.metadata("valid").any())
+    assert torch.equal(shared.quota.state_dict()["rows"], before_quota)
+    records = shared.events.drain()
+    assert [(r["kind"], r["slot"]) for r in records] == [("evicted", row) for row in range(ROWS)]
+    assert shared.events.state_dict()["reserved"] == 0  # the rest of the reservation was given back
+
+
+def test_windows_must_be_whole():
+    engine = _engine(lifecycle_event_capacity=0)
+    publisher = WindowPublisher(engine._shared, 0, lambda: False)
+    with pytest.raises(ValueError, match="whole windows"):
+        publisher.begin(0, 5, NUM_ENVS)
+
+
+def test_the_column_append_checks_shapes_and_kinds():
+    log = _engine()._shared.events
+    valid = np.ones((1, STEPS), dtype=bool)
+    scalars = np.zeros((1, 5), dtype=np.int64)
+    with pytest.raises(ValueError, match="kinds"):
+        log.append_columns(np.array([2]), scalars, valid, valid)
+    with pytest.raises(ValueError, match="columns"):
+        log.append_columns(np.array([0]), scalars[:, :4], valid, valid)
+    assert log.pending() == 0
+
+
+def test_the_ray_ingest_publishes_a_call_like_its_windows_one_by_one():
+    """A call of 3 windows over rows [0, 5) with 2 rows each: windows at 0, 2 and 3 (the last overlaps)
+    go as one group of rows [0, 4) and a group of their own for [3, 5); the result is one-by-one's."""
+    ingest = pytest.importorskip("simstream.ray.ingest")  # imports ray; starts nothing
+    from simstream.ray import RayBackend
+    from simstream.ray.actor import WindowPayload
+
+    overrides = {"buffer_size": 5, "lifecycle_event_capacity": 20}
+    local = _engine(**overrides)
+    via_ray = _engine(**overrides, backend=RayBackend(windows_per_call=3))
+    producers = ingest.RayProducers(via_ray._shared, via_ray.cfg, NUM_ENVS, b"", None)
+    producer = producers._producers[0]
+    assert producer.starts == [0, 2, 3]
+    publisher = WindowPublisher(local._shared, 0, lambda: False)
+    for generation in (1, 2):
+        windows = _windows(generation)
+        payloads = []
+        for number, (start, window) in enumerate(zip(producer.starts, windows)):
+            used = max(episode.length for episode in window.episodes)
+            frames = {
+                key: np.full((NUM_ENVS, used, *shape), 10.0 * number + generation, dtype=np.float32)
+                for key, shape in (("obs", (3,)), ("actions", (2,)), ("rewards", ()))
+            }
+            payloads.append(WindowPayload(window, frames))
+            assert publisher.begin(start, start + NUM_ENVS)
+            rows = local._shared.storage.rows_view(start, start + NUM_ENVS, payload_only=True)
+            for key, values in frames.items():
+                rows[key][:, :used] = torch.from_numpy(values)
+            publisher.finish(start, start + NUM_ENVS, [window], generation)
+            publisher.abandon()
+        producers._publish_call(producer, ingest._Call(None, 0, len(payloads), generation), payloads)
+        assert via_ray._shared.progress.worker_completed(0) == generation
+        expected, actual = _state(local), _state(via_ray)
+        assert actual["records"] == expected["records"]
+        if generation == 1:  # the last window evicts the episode the one before it put in row 3
+            kinds = [(r["kind"], r["slot"]) for r in actual["records"]]
+            assert kinds[4:] == [("evicted", 3), ("published", 3), ("published", 4)]
+        for part in ("buffer", "index"):
+            for key, value in expected[part].items():
+                torch.testing.assert_close(actual[part][key], value, rtol=0, atol=0, equal_nan=True)
+        assert actual["language"] == expected["language"]
