@@ -346,7 +346,9 @@ class EpisodeWriter:
 
     def publish(self, start: int, end: int, generation: int, episode_start: int) -> PublishedWindow:
         """Stamp provenance, then make the rows sampleable. Call while holding the publication lock."""
-        episode_ids = torch.arange(episode_start, episode_start + (end - start), dtype=torch.int64)
+        episode_ids = torch.from_numpy(
+            np.arange(episode_start, episode_start + (end - start), dtype=np.int64)
+        )
         published_ns = time.monotonic_ns()
         if self.storage.has("ods_run_id"):
             self._stamp_provenance(start, end, generation, episode_ids, published_ns)
