@@ -398,6 +398,14 @@ def print_targets(data: dict) -> None:
             f"(target >= {PER_FRAME_TARGET}): {verdict(value, PER_FRAME_TARGET, higher_is_better=True)}"
         )
     for task in data["tasks"]:
+        for seed in data["seeds"]:
+            threshold = final_return(_curve(data, task, "sb3", seed))
+            times = [time_to_reach(_curve(data, task, mode, seed), threshold) for mode in ("async", "sync")]
+            seconds = ["never" if math.isinf(t) else f"{t:.1f} s" for t in times]
+            print(
+                f"- {task} seed {seed}: SB3 ended at {threshold:.1f}; async reaches it at {seconds[0]}, "
+                f"sync at {seconds[1]} (async / sync {_fraction(time_ratio(*times))}; 0: only sync never did)"
+            )
         ratios = per_second_ratios(data, task)
         for mode in ("async", "sync"):
             print(
