@@ -145,13 +145,14 @@ class RolloutCollector:
             self.beat()
             time.sleep(0.0005)
         self._waited_s += time.perf_counter() - began
-        if self.weights.version != self.version:
-            self._load_weights()
+        self._apply_newest_weights()
         return True
 
-    def _load_weights(self) -> None:
-        self.version = self.weights.read_into(self._vector, on_retry=self.beat)
-        unpack_policy(self._vector, self.model, self.normalizer)
+    def _apply_newest_weights(self) -> None:
+        """Load the published weights when they are newer than the ones in use (a no-op otherwise)."""
+        if self.weights.version != self.version:
+            self.version = self.weights.read_into(self._vector, on_retry=self.beat)
+            unpack_policy(self._vector, self.model, self.normalizer)
 
     def collect(self, should_stop: Callable[[], bool]) -> bool:
         """Write one rollout into a ring slot and commit it; ``False`` if stopped first."""
@@ -170,8 +171,8 @@ class RolloutCollector:
             self.beat()
             # A policy published mid-rollout is used from the next step on: each step records the
             # version whose log-probability it stored, so the learner's data is as fresh as it can be.
-            if self.spec.refresh_each_step and self.weights.version != self.version:
-                self._load_weights()
+            if self.spec.refresh_each_step:
+                self._apply_newest_weights()
             view["versions"][t] = self.version
             episodes = self._step(view, t, episodes)
         view["last_obs"].copy_(self.obs)
