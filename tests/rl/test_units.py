@@ -18,7 +18,7 @@ from simstream.rl import (
     WeightBuffer,
     format_collector_death,
 )
-from simstream.rl.appo import check_finite, ppo_loss, vtrace
+from simstream.rl.appo import PPOLoss, check_finite, ppo_loss, vtrace
 from simstream.rl.learner import APPOLearner
 from simstream.rl.model import ActorCritic, ObsNormalizer, pack_policy, packed_size, unpack_policy
 from simstream.rl.ring import FREE, READING, READY, WRITING
@@ -297,15 +297,24 @@ def test_vtrace_truncates_importance_weights():
     assert torch.allclose(out.vs[-1], torch.ones(B))  # rho clipped to 1: v_T-1 = r
 
 
-def test_ppo_loss_on_policy_has_unit_ratio_and_no_clipping():
+def _loss_on_fresh_samples(
+    count: int, *, behaviour_shift: float | torch.Tensor = 0.0, entropy_coef: float = 0.0
+) -> tuple[ActorCritic, PPOLoss]:
+    """``ppo_loss`` of a fresh policy that is also the target, on its own samples; the behaviour
+    log-probabilities are the target's plus ``behaviour_shift``."""
     model = ActorCritic(3, 2, (8,), -0.5)
-    obs = torch.randn(32, 3)
+    obs = torch.randn(count, 3)
     dist = model.distribution(obs)
     actions = dist.sample()
-    logp = dist.log_prob(actions).sum(-1).detach()
-    target = model.distribution(obs)
-    loss = ppo_loss(dist, model.value(obs), actions, logp, logp, target, torch.randn(32), torch.randn(32),
-                    clip_ratio=0.2, value_coef=0.5, entropy_coef=0.01)  # fmt: skip
+    target_logp = dist.log_prob(actions).sum(-1).detach()
+    loss = ppo_loss(dist, model.value(obs), actions, target_logp + behaviour_shift, target_logp,
+                    model.distribution(obs), torch.randn(count), torch.randn(count),
+                    clip_ratio=0.2, value_coef=0.5, entropy_coef=entropy_coef)  # fmt: skip
+    return model, loss
+
+
+def test_ppo_loss_on_policy_has_unit_ratio_and_no_clipping():
+    model, loss = _loss_on_fresh_samples(32, entropy_coef=0.01)
     assert float(loss.clip_fraction) == 0.0
     assert abs(float(loss.kl_target)) < 1e-6 and abs(float(loss.kl_behaviour)) < 1e-6
     loss.total.backward()
@@ -314,15 +323,8 @@ def test_ppo_loss_on_policy_has_unit_ratio_and_no_clipping():
 
 def test_ppo_loss_ratio_is_anchored_at_the_target_not_the_behaviour_policy():
     """Stale data (behaviour far from target) starts every ratio at 1: the trust region is the target's."""
-    model = ActorCritic(3, 2, (8,), -0.5)
-    obs = torch.randn(64, 3)
-    dist = model.distribution(obs)
-    actions = dist.sample()
-    target_logp = dist.log_prob(actions).sum(-1).detach()
-    behaviour_logp = target_logp + torch.linspace(-2.0, 2.0, 64)  # ratios pi_target/mu from e^-2 to e^2
-    loss = ppo_loss(dist, model.value(obs), actions, behaviour_logp, target_logp, model.distribution(obs),
-                    torch.randn(64), torch.randn(64),
-                    clip_ratio=0.2, value_coef=0.5, entropy_coef=0.0)  # fmt: skip
+    # ratios pi_target/mu from e^-2 to e^2
+    _, loss = _loss_on_fresh_samples(64, behaviour_shift=torch.linspace(-2.0, 2.0, 64))
     assert float(loss.clip_fraction) == 0.0
     assert float(loss.kl_behaviour) > 0.5  # the behaviour policy really is far away
 
