@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import simstream.engine.engine as engine_module
 from simstream import Field, OnlineDataEngine, OnlineDataEngineCfg
+from simstream.buffer.gate import RecordGate
 from simstream.buffer.index import EligibilityIndex
 from simstream.buffer.sizing import (
     SHM_PATH,
@@ -53,6 +54,8 @@ def test_the_computed_sizes_are_what_storage_and_index_allocate(fields, rows, st
     tensors = [value for value in vars(index).values() if isinstance(value, torch.Tensor)]
     assert all(t.is_shared() for t in tensors)
     assert EligibilityIndex.shared_bytes(rows, steps) == _allocated(tensors)
+    gate = RecordGate(rows)
+    assert RecordGate.shared_bytes(rows) == _allocated([gate.recorded, gate.skipped, gate.mode])
 
 
 def test_every_region_is_listed_with_the_field_that_sizes_it():
@@ -72,6 +75,7 @@ def test_every_region_is_listed_with_the_field_that_sizes_it():
         "language registry",
         "error channel",
         "producer progress",
+        "record gate",
         "lifecycle log",
         "quota table",
     }
@@ -183,3 +187,19 @@ def test_context_lengths_up_to_the_row_pass():
 
 def _layout() -> SourceLayout:
     return OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4).validate()
+
+
+def test_the_node_id_area_is_counted_with_the_producer_progress():
+    """The Ray node ids live beside the progress counters: the sizing counts the bytes progress keeps."""
+    from simstream.buffer import sizing
+    from simstream.engine import progress
+
+    assert sizing._NODE_ID_BYTES_PER_WORKER == progress._NODE_ID_BYTES
+
+    def regions(workers: int) -> dict[str, SharedRegion]:
+        cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=workers)
+        return {region.name: region for region in shared_regions(cfg, _layout())}
+
+    one, three = regions(1), regions(3)
+    assert one["record gate"].nbytes == 4096 and one["record gate"].field == "buffer_size"
+    assert three["producer progress"].nbytes >= 8 * (128 + 16 * 3) + 64 * 3

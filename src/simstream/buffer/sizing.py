@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..workers.channel import CHANNEL_BYTES
+from .gate import RecordGate
 from .index import EligibilityIndex
 from .storage import TrajectoryStorage
 
@@ -44,6 +45,8 @@ _EVENT_RECORD_SCALARS = 7
 """int64 fields of one lifecycle record (kind, sequence, run, episode, generation, slot, time)."""
 _QUOTA_COLUMNS, _QUOTA_META = 4, 2
 """int64 columns of the per-row quota table, and its shared totals."""
+_NODE_ID_BYTES_PER_WORKER = 64
+"""The Ray node id (hex) kept per producer beside its progress counters (``engine.progress``)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,15 @@ def shared_regions(cfg: OnlineDataEngineCfg, layout: SourceLayout) -> list[Share
             "producer progress",
             "num_workers",
             cfg.num_workers,
-            8 * (_PROGRESS_SLOTS + _PROGRESS_SLOTS_PER_WORKER * cfg.num_workers),
+            8 * (_PROGRESS_SLOTS + _PROGRESS_SLOTS_PER_WORKER * cfg.num_workers)
+            + _NODE_ID_BYTES_PER_WORKER * cfg.num_workers,
+        ),
+        SharedRegion(
+            "record gate",
+            "buffer_size",
+            rows,
+            RecordGate.shared_bytes(rows),
+            "one gate row per buffer row",
         ),
     ]
     if cfg.lifecycle_event_capacity:
