@@ -36,7 +36,7 @@ class RecordArgs:
     no_video: bool = False
     """Store cameras as PNG images inside the parquet files (lossless) instead of AV1 video."""
     video_codec: Literal["h264", "av1"] = "h264"
-    """Codec of camera videos: ``h264`` (about a third of AV1's encoding CPU, so recording keeps up with
+    """Codec of camera videos: ``h264`` (about a fifth of AV1's encoding CPU, so recording keeps up with
     the producers) or ``av1`` (LeRobot's default, about half the bytes). Appending keeps the dataset's."""
     key_map: list[str] = field(default_factory=list)
     """``LEROBOT_KEY=FIELD`` overrides of the naming rule, e.g. ``observation.images.front=obs/image``."""

@@ -43,9 +43,9 @@ EXTRA_KEYS = ("subtask_index", "segment_id")
 QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 VIDEO_GOP = 2
 VIDEO_CODECS: dict[str, dict[str, Any]] = {
-    # LeRobot's own default: smallest files, ~40-55 ms of CPU per 70-frame 64x64 episode (2 vCPU machine)
+    # LeRobot's own default: smallest files, ~27 ms of CPU per 70-frame 64x64 episode (2 vCPU machine)
     "av1": {"encoder": "libsvtav1", "crf": 30, "preset": 12},
-    # ~13-17 ms per such episode and about twice the bytes: for recording beside busy producers
+    # ~5 ms per such episode (one encoder thread) and more bytes: for recording beside busy producers
     "h264": {"encoder": "libx264", "crf": 23, "preset": "ultrafast"},
 }
 """The video codecs a dataset can be written with (``video.codec`` in ``info.json``); PyAV decodes both."""
