@@ -18,6 +18,17 @@ Run inside a private network namespace, where Ray binds to 127.0.0.1 only::
 * **sampling**: ``sample_batch`` calls/s while the ingest runs at full rate, against the same engine idle.
 
 Candidates run in interleaved rounds; tables print the median of the rounds.
+
+**Pinning** (``--pin``; off by default). On a trainer machine the ingest
+process and the training loop have cores of their own and the actors run on other nodes; on one small
+machine everything shares the same cores, and the engine's actors (which run the whole producer body:
+rollout, checks, window copy) take CPU from the ingest that the bare loop's actors (which return a
+precomputed list) do not. With ``--pin`` CPU 0 plays the trainer: the ingest process (or the bare loop's
+driver) in the ingest section, the thread calling ``sample_batch`` in the sampling section; Ray's
+processes, the actors and the rest of the benchmark run on the other CPUs. On 2 CPUs that leaves the
+actors one CPU between them, so pinning can move the bound from the trainer's side to the actors'. Either
+way the ingest table also prints the trainer-side CPU time per episode (the bare loop's driver process
+against the engine's ingest process): what one trainer core absorbs wherever the actors run.
 """
 
 from __future__ import annotations
@@ -37,7 +48,15 @@ import numpy as np
 import torch
 import tyro
 
-from _timing import Table, call_rate, check, print_header, ratio, set_single_thread
+from _timing import (
+    Table,
+    call_rate,
+    check,
+    print_header,
+    process_cpu_seconds,
+    ratio,
+    set_single_thread,
+)
 from _workload import ContinuousPublication
 from simstream import Episode, Field, OnlineDataEngine, OnlineDataEngineCfg, Segment
 from simstream.ray import RayBackend
@@ -59,6 +78,8 @@ class Args:
     windows_per_call: tuple[int, ...] = (1, 8)
     """``RayBackend.windows_per_call`` values of the ingest section (the bare loop returns as many)."""
     sections: tuple[str, ...] = ("production", "ingest", "sampling")
+    pin: bool = False
+    """Give the trainer's side (ingest process, bare loop driver, sampling thread) CPU 0 of its own."""
 
     def effective(self) -> Args:
         return replace(self, rounds=1, seconds=0.5, rows=8) if self.quick else self
@@ -117,11 +138,38 @@ class _ZeroCostSource:
         pass
 
 
+# -- CPU placement (--pin) ------------------------------------------------------------------------------
+TRAINER_CPUS = {0}
+
+
+def cluster_cpus() -> set[int]:
+    """Every CPU but the trainer's."""
+    return set(range(os.cpu_count() or 1)) - TRAINER_CPUS
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` (``os.sched_setaffinity(pid)`` alone moves one thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def ingest_pid(engine: OnlineDataEngine) -> int:
+    """The pid of a started Ray-backed engine's ingest process."""
+    return engine._supervisor.processes["ray-ingest"].pid
+
+
 def zero_cost_spec(image: bool) -> ZeroCostSpec:
     return ZeroCostSpec(image=image)
 
 
-def engine_rate(spec, workers: int, rows: int, seconds: float, backend: RayBackend | None) -> float:
+def engine_rate(
+    spec, workers: int, rows: int, seconds: float, backend: RayBackend | None, pin: bool = False
+) -> tuple[float, float]:
+    """Published episodes/s of an engine refilling back to back, and (Ray backend) the ingest process's
+    CPU microseconds per published episode; ``pin``: the ingest on the trainer CPU."""
     cfg = OnlineDataEngineCfg(
         source=spec,
         buffer_size=workers * rows,
@@ -130,9 +178,19 @@ def engine_rate(spec, workers: int, rows: int, seconds: float, backend: RayBacke
         backend=backend,
         initialization_timeout=600.0,
     )
-    with OnlineDataEngine(cfg) as engine, ContinuousPublication(engine) as publication:
-        time.sleep(seconds)
-    return publication.episodes_per_s
+    cpu_us = float("nan")
+    with OnlineDataEngine(cfg) as engine:
+        pids = [ingest_pid(engine)] if backend is not None else []
+        if pin and pids:
+            pin_process(pids[0], TRAINER_CPUS)
+        with ContinuousPublication(engine) as publication:
+            cpu, episodes = process_cpu_seconds(pids), engine.get_stats()["successful_episodes"]
+            time.sleep(seconds)
+            cpu = process_cpu_seconds(pids) - cpu
+            episodes = engine.get_stats()["successful_episodes"] - episodes
+        if pids:
+            cpu_us = 1e6 * cpu / max(1, episodes)
+    return publication.episodes_per_s, cpu_us
 
 
 # -- the bare pull loop ------------------------------------------------------------------------------------
@@ -148,10 +206,11 @@ class _PayloadActor:
 
 
 def bare_pull_rate(
-    image: bool, actors: int, rows: int, seconds: float, resources: dict, per_call: int
-) -> float:
+    image: bool, actors: int, rows: int, seconds: float, resources: dict, per_call: int, pin: bool = False
+) -> tuple[float, float]:
     """Episodes/s of ``ray.wait`` over ``actors`` x 2 calls in flight of ``per_call`` episodes each, copied
-    into shared tensors."""
+    into shared tensors, and this process's CPU microseconds per episode; ``pin``: this process on the
+    trainer CPU meanwhile."""
     import ray
 
     spec = zero_cost_spec(image)
@@ -169,7 +228,9 @@ def bare_pull_rate(
         for _ in range(2):
             in_flight[handle.generate.remote(0, per_call)] = index
     count, row = 0, [0] * actors
-    began = time.perf_counter()
+    if pin:
+        pin_process(os.getpid(), TRAINER_CPUS)
+    began, cpu = time.perf_counter(), process_cpu_seconds([os.getpid()])
     while time.perf_counter() - began < seconds:
         ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
         for ref in ready:
@@ -181,10 +242,12 @@ def bare_pull_rate(
                     np.copyto(tensors[name][target : target + 1, : array.shape[1]].numpy(), array)
                 count += 1
             in_flight[handles[index].generate.remote(0, per_call)] = index
-    elapsed = time.perf_counter() - began
+    elapsed, cpu = time.perf_counter() - began, process_cpu_seconds([os.getpid()]) - cpu
+    if pin:
+        pin_process(os.getpid(), cluster_cpus())
     for handle in handles:
         ray.kill(handle)
-    return count / elapsed
+    return count / elapsed, 1e6 * cpu / max(1, count)
 
 
 # -- sections ------------------------------------------------------------------------------------------
@@ -201,8 +264,8 @@ def production(args: Args) -> dict[bool, float]:
         spec = make_source("pick_place", num_envs=1, image_size=image_size)
         local, actor = [], []
         for _ in range(args.rounds):
-            local.append(engine_rate(spec, 1, args.rows, args.seconds, None))
-            actor.append(engine_rate(spec, 1, args.rows, args.seconds, RayBackend()))
+            local.append(engine_rate(spec, 1, args.rows, args.seconds, None)[0])
+            actor.append(engine_rate(spec, 1, args.rows, args.seconds, RayBackend())[0])
         local_rate, actor_rate = statistics.median(local), statistics.median(actor)
         value = ratio(actor_rate, local_rate)
         table.row(
@@ -214,24 +277,33 @@ def production(args: Args) -> dict[bool, float]:
 
 def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict) -> None:
     table = Table(
-        f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s)",
+        f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s; trainer-side CPU "
+        "per episode: the bare loop's driver, the engine's ingest process)",
         ["payload", "windows per call", "bare pull loop", "engine", "ratio", "target", "verdict", "MiB/s",
-         "sim cores absorbed"],
+         "sim cores absorbed", "CPU us/ep bare", "CPU us/ep engine", "CPU ratio",
+         "sim cores per trainer core"],
     )  # fmt: skip
     for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
         backend = RayBackend(resources=resources, windows_per_call=per_call)
         spec = zero_cost_spec(image)
         bare, engine = [], []
         for _ in range(args.rounds):
-            bare.append(bare_pull_rate(image, args.actors, args.rows, args.seconds, resources, per_call))
-            engine.append(engine_rate(spec, args.actors, args.rows, args.seconds, backend))
-        bare_rate, engine_eps = statistics.median(bare), statistics.median(engine)
+            bare.append(
+                bare_pull_rate(image, args.actors, args.rows, args.seconds, resources, per_call, args.pin)
+            )
+            engine.append(engine_rate(spec, args.actors, args.rows, args.seconds, backend, args.pin))
+        bare_rate, engine_eps = (statistics.median(r[0] for r in rates) for rates in (bare, engine))
+        bare_cpu, engine_cpu = (statistics.median(r[1] for r in rates) for rates in (bare, engine))
         value = ratio(engine_eps, bare_rate)
         frame_bytes = 53 * 4 + (3 * 64 * 64 if image else 0)  # about 70 frames per episode
         mib_s = engine_eps * 70 * frame_bytes / 2**20
-        cores = ratio(engine_eps, one_core.get(image, float("nan")))  # with the camera: a camera core
+        one = one_core.get(image, float("nan"))  # with the camera: a camera core
         payload = "53 floats + 64x64 camera" if image else "53 floats"
-        table.row(payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), mib_s, cores)
+        table.row(
+            payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), mib_s,
+            ratio(engine_eps, one), bare_cpu, engine_cpu, ratio(bare_cpu, engine_cpu),
+            ratio(ratio(1e6, engine_cpu), one),
+        )  # fmt: skip
 
 
 def sampling(args: Args) -> None:
@@ -251,10 +323,14 @@ def sampling(args: Args) -> None:
         idle, busy = [], []
         with OnlineDataEngine(cfg) as engine:
             draw = partial(engine.sample_batch, 256, 16, keys=["obs/state", "actions"])
+            if args.pin:  # this thread samples on the trainer CPU; the ingest stays with the cluster
+                os.sched_setaffinity(0, TRAINER_CPUS)
             for _ in range(args.rounds):
                 idle.append(call_rate(draw, args.seconds)[0])
                 with ContinuousPublication(engine):
                     busy.append(call_rate(draw, args.seconds)[0])
+        if args.pin:
+            os.sched_setaffinity(0, cluster_cpus())
         idle_rate, busy_rate = statistics.median(idle), statistics.median(busy)
         value = ratio(busy_rate, idle_rate)
         table.row(
@@ -265,19 +341,26 @@ def sampling(args: Args) -> None:
 def main() -> None:
     args = tyro.cli(Args).effective()
     set_single_thread()
+    if args.pin:  # Ray's processes (started below) and the engines' ingest processes inherit this
+        pin_process(os.getpid(), cluster_cpus())
     import ray
     from ray.cluster_utils import Cluster
 
     print_header(
         "Ray producers",
         [sys.executable, *sys.argv],
-        f"rounds={args.rounds}, seconds={args.seconds}, actors={args.actors}, rows per producer={args.rows}",
+        f"rounds={args.rounds}, seconds={args.seconds}, actors={args.actors}, rows per producer={args.rows}, "
+        f"pin={'trainer on CPU 0, cluster on the rest' if args.pin else 'off'}",
     )
     ray.init(
         num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
     )
     try:
+        if args.pin:  # one producer each side: the local one may use any CPU (the actor has the cluster's)
+            pin_process(os.getpid(), TRAINER_CPUS | cluster_cpus())
         one_core = production(args) if "production" in args.sections else {}
+        if args.pin:
+            pin_process(os.getpid(), cluster_cpus())
         if "ingest" in args.sections:
             ingest(args, one_core, "one node", {})
         if "sampling" in args.sections:
