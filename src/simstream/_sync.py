@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing import context, reduction
 from typing import Any, ClassVar
@@ -113,16 +114,24 @@ class _LockFile:
     """One process's handle on a lock file: its descriptor and one thread lock per byte range in use.
 
     ``fcntl`` record locks belong to a process, not a thread, and closing *any* descriptor of the file
-    drops all of the process's locks on it. So each process keeps exactly one descriptor per lock file
-    (a second unpickled copy reuses it) and never closes it while the process may hold a lock; threads are
-    kept apart by a ``threading.Lock`` per range.
+    drops all of the process's locks on it. So each process keeps one descriptor per lock file (a second
+    unpickled copy reuses it) while any object of this process uses the file, and closes it when the last
+    one is collected (:meth:`adopt` counts them), so an owner that creates engine after engine does not
+    run out of descriptors; threads are kept apart by a ``threading.Lock`` per range.
     """
 
     _by_inode: ClassVar[dict[tuple[int, int], _LockFile]] = {}
-    _guard = threading.Lock()
+    _guard = threading.RLock()
+    """Re-entrant: a collected user's finalizer (:meth:`_drop_user`) may run inside a guarded section."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, key: tuple[int, int]) -> None:
         self.fd = fd
+        self.key = key
+        self.users = 0
+        """Live objects of this process (locks, slot tables) that use this file."""
+        self.extra_fds: list[int] = []
+        """Duplicates that arrived while this process held a lock on the file (closing them would have
+        dropped it); closed with :attr:`fd`."""
         self.thread_locks: dict[int, threading.Lock] = {}
         self.holders: dict[int, int] = {}
         """Range offset -> ident of the thread of this process that holds it."""
@@ -131,17 +140,45 @@ class _LockFile:
         """:class:`ProcessSlots`: the slot process ``claim_pid`` claimed (``None``: none was free)."""
 
     @classmethod
-    def adopt(cls, fd: int) -> _LockFile:
-        """The handle for the file behind ``fd`` (closing ``fd`` when this process already has one)."""
+    def adopt(cls, fd: int, user: object) -> _LockFile:
+        """The handle for the file behind ``fd``, used by ``user`` until it is collected.
+
+        Closes ``fd`` when this process already has a descriptor of the file and holds nothing on it.
+        """
         status = os.fstat(fd)
         key = (status.st_dev, status.st_ino)
         with cls._guard:
             known = cls._by_inode.get(key)
             if known is None:
-                known = cls._by_inode[key] = cls(fd)
-            elif known.fd != fd and not known.holders and known.claim_pid != os.getpid():
-                os.close(fd)  # closing drops this process's record locks on the file: only when it has none
-            return known
+                known = cls._by_inode[key] = cls(fd, key)
+            elif known.fd != fd:
+                if not known.holders and known.claim_pid != os.getpid():
+                    os.close(fd)  # closing drops this process's record locks on the file: only if it has none
+                else:
+                    known.extra_fds.append(fd)
+            known.users += 1
+        # not at interpreter exit: a daemon thread may still use the lock then; the kernel closes it after
+        weakref.finalize(user, cls._drop_user, known).atexit = False
+        return known
+
+    @classmethod
+    def _drop_user(cls, handle: _LockFile) -> None:
+        """A user was collected; the last one closes the descriptors (releasing whatever they hold)."""
+        with cls._guard:
+            handle.users -= 1
+            if handle.users > 0:
+                return
+            if cls._by_inode.get(handle.key) is handle:
+                del cls._by_inode[handle.key]
+            fds, handle.fd, handle.extra_fds = [handle.fd, *handle.extra_fds], -1, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    @classmethod
+    def open_count(cls) -> int:
+        """Lock files this process has open (for leak checks)."""
+        return len(cls._by_inode)
 
     def thread_lock(self, offset: int) -> threading.Lock:
         lock = self.thread_locks.get(offset)
@@ -153,11 +190,11 @@ class _LockFile:
     @classmethod
     def forget_holdings(cls) -> None:
         """In a forked child: the parent's record locks and thread locks were not inherited."""
-        for handle in cls._by_inode.values():
+        cls._guard = threading.RLock()
+        for handle in list(cls._by_inode.values()):
             handle.thread_locks = {}
             handle.holders = {}
             handle.claim_pid = handle.claimed = None
-        cls._guard = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_LockFile.forget_holdings)
@@ -187,7 +224,7 @@ class SharedLock:
     """
 
     def __init__(self) -> None:
-        self._file = _LockFile.adopt(_memfd(1))
+        self._file = _LockFile.adopt(_memfd(1), self)
         self._offset = 0
 
     def __reduce__(self):
@@ -262,7 +299,7 @@ class SharedLock:
 
 def _rebuild_lock(dup_fd, offset: int) -> SharedLock:
     lock = SharedLock.__new__(SharedLock)
-    lock._file = _LockFile.adopt(dup_fd.detach())
+    lock._file = _LockFile.adopt(dup_fd.detach(), lock)
     lock._offset = offset
     return lock
 
@@ -283,7 +320,7 @@ class ProcessSlots:
         if type(count) is not int or count < 1:
             raise ValueError(f"ProcessSlots.count must be an int >= 1, got {count!r}")
         self.count = count
-        self._file = _LockFile.adopt(_memfd(count))
+        self._file = _LockFile.adopt(_memfd(count), self)
 
     def __reduce__(self):
         context.assert_spawning(self)  # see SharedLock.__reduce__
@@ -305,5 +342,5 @@ class ProcessSlots:
 def _rebuild_slots(dup_fd, count: int) -> ProcessSlots:
     slots = ProcessSlots.__new__(ProcessSlots)
     slots.count = count
-    slots._file = _LockFile.adopt(dup_fd.detach())
+    slots._file = _LockFile.adopt(dup_fd.detach(), slots)
     return slots

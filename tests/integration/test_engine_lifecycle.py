@@ -56,6 +56,34 @@ def test_stop_before_start_and_context_manager():
     assert running.state is OnlineDataEngineState.STOPPED
 
 
+def _open_descriptors() -> list[str]:
+    """What this process's descriptors point at (the listing's own descriptor left out)."""
+    targets = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            pass
+    return sorted(targets)
+
+
+def test_engines_created_one_after_another_leave_no_descriptor_behind():
+    import gc
+
+    def one_engine() -> None:
+        with OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 13)), buffer_size=4)) as engine:
+            engine.sample_batch(4, 5)
+        OnlineDataEngine(make_cfg())  # created only, never started
+
+    one_engine()  # the first may open what lives as long as the process (the forkserver, imports)
+    gc.collect()
+    before = _open_descriptors()
+    for _ in range(3):
+        one_engine()
+    gc.collect()
+    assert _open_descriptors() == before
+
+
 def test_two_workers_write_disjoint_rows_with_unique_increasing_episode_ids():
     spec = ScriptedSpec(num_envs=2, lengths=(20,))
     with OnlineDataEngine(make_cfg(spec, buffer_size=7, num_workers=2, include_provenance=True)) as engine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from simstream._sync import Doorbell, ProcessSlots, SharedFlag, SharedLock
+from simstream._sync import Doorbell, ProcessSlots, SharedFlag, SharedLock, _rebuild_lock
 from simstream.engine.progress import ProducerProgress
 from simstream.workers.channel import ErrorChannel
 
@@ -160,6 +161,100 @@ def test_a_lock_left_taken_by_an_interrupt_in_this_thread_is_taken_over():
 def test_release_of_a_lock_not_held_here_is_an_error():
     with pytest.raises(RuntimeError, match="does not hold"):
         SharedLock().release()
+
+
+def lock_file_descriptors() -> int:
+    """Descriptors of this process open on simstream lock files (memfds named ``simstream-lock``)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:simstream-lock")
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return count
+
+
+class _Duplicate:
+    """What a child unpickles in place of ``reduction.DupFd``: a descriptor of the same file."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = os.dup(fd)
+
+    def detach(self) -> int:
+        return self.fd
+
+
+def test_the_last_collected_user_of_a_lock_file_closes_its_descriptor():
+    gc.collect()
+    before = lock_file_descriptors()
+    locks, slots = [SharedLock() for _ in range(5)], ProcessSlots(4)
+    assert slots.mine() == 0
+    assert lock_file_descriptors() == before + 6
+    copy = _rebuild_lock(_Duplicate(locks[0]._file.fd), 0)  # not held here: the duplicate is closed at once
+    assert copy._file is locks[0]._file
+    assert lock_file_descriptors() == before + 6
+    del locks[1:], slots
+    gc.collect()
+    assert lock_file_descriptors() == before + 1
+    del locks
+    gc.collect()
+    assert lock_file_descriptors() == before + 1, "a copy still uses the file"
+    del copy
+    gc.collect()
+    assert lock_file_descriptors() == before
+
+
+def _checks_then_give_up(limit: int):
+    tries = []
+
+    def check() -> None:
+        tries.append(None)
+        if len(tries) >= limit:
+            raise _GaveUp
+
+    return check
+
+
+def _take_twice(lock: SharedLock, go, results) -> None:
+    """Report whether the lock is free now, then again once told to look (each try bounded)."""
+    for gate in (None, go):
+        if gate is not None:
+            gate.wait(_BOUND_S)
+        give_up = _checks_then_give_up(3 if gate is None else int(_BOUND_S / 0.01))
+        try:
+            lock.acquire(give_up, slice_s=0.01)
+        except _GaveUp:
+            results.send("busy")
+        else:
+            lock.release()
+            results.send("taken")
+
+
+def test_a_held_lock_keeps_its_duplicate_and_is_released_when_its_last_user_goes():
+    ctx = mp.get_context("fork")
+    gc.collect()
+    before = lock_file_descriptors()
+    lock = SharedLock()
+    lock.acquire(None)
+    copy = _rebuild_lock(_Duplicate(lock._file.fd), 0)  # closing it would drop the held record lock: kept
+    assert lock_file_descriptors() == before + 2
+    go = ctx.Event()
+    received, results = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_take_twice, args=(copy, go, results))
+    child.start()
+    try:
+        assert received.poll(_BOUND_S) and received.recv() == "busy"
+        del lock
+        gc.collect()
+        assert lock_file_descriptors() == before + 2, "a copy still uses the file: nothing closed"
+        del copy
+        gc.collect()
+        assert lock_file_descriptors() == before  # closing released the record lock it held
+        go.set()
+        assert received.poll(_BOUND_S) and received.recv() == "taken"
+    finally:
+        child.join(_BOUND_S)
+    assert child.exitcode == 0
 
 
 def _claim(slots: ProcessSlots, results, release, die: bool) -> None:
