@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from simstream import OnlineDataEngine, OnlineDataEngineCfg
@@ -25,10 +27,16 @@ def engine():
         ({"on_full": "drop"}, "LeRobotRecorder.on_full must be 'wait' or 'skip', got 'drop'"),
         ({"max_episodes": 0}, "LeRobotRecorder.max_episodes must be an int >= 1 or None, got 0"),
         ({"flush_every": 0}, "LeRobotRecorder.flush_every must be an int >= 1, got 0"),
+        ({"flush_interval_s": 0}, "LeRobotRecorder.flush_interval_s must be a number in (0, 3600], got 0"),
+        (
+            {"flush_interval_s": float("nan")},
+            "LeRobotRecorder.flush_interval_s must be a number in (0, 3600]",
+        ),
+        ({"flush_interval_s": True}, "LeRobotRecorder.flush_interval_s must be a number in (0, 3600]"),
     ],
 )
 def test_bad_settings(engine, tmp_path, kwargs, fragment):
-    with pytest.raises(ValueError, match=fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
         LeRobotRecorder(engine, tmp_path / "ds", **kwargs)
     assert not (tmp_path / "ds").exists()
 
