@@ -6,7 +6,9 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
    (``--video-codec h264``, the record command's default, or ``av1``): episodes/s the producers publish
    while the owner requests generations back to back, without
    and with a ``LeRobotRecorder`` (which producers wait for), in interleaved rounds; bytes per episode.
-   Target: with / without >= 0.95.
+   Target: with / without >= 0.95. Also the CPU per episode of the producers and of the recorder (the
+   owner's CPU with the recorder minus without), and the ceiling they put on the ratio when the producers
+   fill every core: producer / (producer + recorder).
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting),
    without and with the recorder: batches/s. Target: >= 0.90.
 3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
@@ -50,8 +52,21 @@ def _engine(source, workers: int, buffer_size: int, manual: bool):
     return OnlineDataEngine(cfg)
 
 
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _producers_cpu_s(engine) -> float:
+    processes = engine._supervisor.processes
+    return sum(_process_cpu_s(p.pid) for name, p in processes.items() if name.startswith("producer-"))
+
+
 def production(source, args: Args, record: Path | None) -> dict[str, float]:
-    """Episodes/s the producers publish with generations requested back to back (``simstream record``)."""
+    """Episodes/s the producers publish with generations requested back to back (``simstream record``),
+    and the CPU seconds per episode of the producers and of this process (the recorder's thread runs here)."""
     from simstream.lerobot import LeRobotRecorder
 
     engine = _engine(source, args.workers, 8 * args.workers, manual=True)
@@ -60,12 +75,19 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
         recorder.start()
     with engine:
         first, began = engine.get_stats()["successful_episodes"], time.monotonic()
+        owner_cpu, producers_cpu = time.process_time(), _producers_cpu_s(engine)
         while time.monotonic() - began < args.seconds:
             engine.request_refill()
             time.sleep(0.01)  # the record command polls its progress the same way
         elapsed = time.monotonic() - began
         episodes = engine.get_stats()["successful_episodes"] - first
-    out = {"episodes_per_s": episodes / elapsed}
+        owner_cpu = time.process_time() - owner_cpu
+        producers_cpu = _producers_cpu_s(engine) - producers_cpu
+    out = {
+        "episodes_per_s": episodes / elapsed,
+        "owner_cpu_per_episode_s": owner_cpu / max(1, episodes),
+        "producer_cpu_per_episode_s": producers_cpu / max(1, episodes),
+    }
     if recorder is not None:
         recorder.close()
         out["bytes_per_episode"] = recorder.bytes_written / max(1, recorder.episodes_flushed)
@@ -116,21 +138,35 @@ def run(args: Args) -> int:
     rows = []
     try:
         for name, source in sources.items():
-            plain, recorded, sizes = [], [], []
+            plain, recorded = [], []
             for k in range(args.rounds):  # interleaved: without, with, without, with
-                plain.append(production(source, args, None)["episodes_per_s"])
+                plain.append(production(source, args, None))
                 result = production(source, args, scratch / f"{name}-{k}".replace(" ", "_"))
                 assert result["skipped"] == 0
-                recorded.append(result["episodes_per_s"])
-                sizes.append(result["bytes_per_episode"])
-            a, b = statistics.median(plain), statistics.median(recorded)
-            rows.append((name, a, b, b / a, statistics.median(sizes)))
+                recorded.append(result)
+
+            def median(results, key):
+                return statistics.median(result[key] for result in results)
+
+            a, b = median(plain, "episodes_per_s"), median(recorded, "episodes_per_s")
+            producer_ms = 1e3 * median(plain, "producer_cpu_per_episode_s")
+            recorder_ms = 1e3 * (
+                median(recorded, "owner_cpu_per_episode_s") - median(plain, "owner_cpu_per_episode_s")
+            )
+            # with every core busy producing, each CPU second the recorder takes is one the producers lose
+            ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
+            size = median(recorded, "bytes_per_episode")
+            rows.append((name, a, b, b / a, size, producer_ms, recorder_ms, ceiling))
         print(
-            "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) | bytes/ep |"
+            "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) | bytes/ep "
+            "| producer CPU ms/ep | recorder CPU ms/ep | CPU ceiling of the ratio |"
         )
-        print("|---|---:|---:|---:|---:|")
-        for name, a, b, r, size in rows:
-            print(f"| {name} | {a:.2f} | {b:.2f} | {r:.3f} | {size:,.0f} |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for name, a, b, r, size, producer_ms, recorder_ms, ceiling in rows:
+            print(
+                f"| {name} | {a:.2f} | {b:.2f} | {r:.3f} | {size:,.0f} | {producer_ms:.1f} "
+                f"| {recorder_ms:.2f} | {ceiling:.3f} |"
+            )
 
         plain, recorded = [], []
         for k in range(args.rounds):

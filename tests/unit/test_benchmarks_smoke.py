@@ -36,7 +36,7 @@ def quick_runs() -> dict[str, subprocess.Popen]:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for name in ("sampling", "production", "huge_pages")
+        for name in ("sampling", "production", "huge_pages", "recording")
     }
     yield runs
     for process in runs.values():
@@ -103,6 +103,14 @@ def test_production_quick_prints_its_table(quick_runs):
     assert "| engine / bare loop, 1 worker |" in output
     assert "| engine 2 workers / 1 worker |" in output
     assert "command: `python benchmarks/production.py --quick`" in output
+
+
+def test_recording_quick_prints_its_tables(quick_runs):
+    output = _output(quick_runs["recording"])
+    assert "| producer CPU ms/ep | recorder CPU ms/ep | CPU ceiling of the ratio |" in output
+    assert "| low-dim |" in output and "| 64x64 video (h264) |" in output
+    assert "| low-dim pick_place |" in output and "| replay (LeRobotSpec, 2 producers) | episodes/s |" in output
+    assert "command: `python benchmarks/recording.py --quick --video-codec h264`" in output
 
 
 def test_huge_pages_quick_prints_both_memories(quick_runs):
