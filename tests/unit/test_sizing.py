@@ -13,7 +13,9 @@ import simstream.engine.engine as engine_module
 from simstream import Field, OnlineDataEngine, OnlineDataEngineCfg
 from simstream.buffer.gate import RecordGate
 from simstream.buffer.index import EligibilityIndex
-from simstream.buffer.sizing import (
+from simstream.buffer.storage import TrajectoryStorage
+from simstream.config import SourceLayout
+from simstream.engine.sizing import (
     SHM_PATH,
     SharedRegion,
     check_context_lengths,
@@ -22,8 +24,6 @@ from simstream.buffer.sizing import (
     require_fits,
     shared_regions,
 )
-from simstream.buffer.storage import TrajectoryStorage
-from simstream.config import SourceLayout
 from tests.support.sources import ScriptedSpec
 
 needs_shm = pytest.mark.skipif(free_shared_bytes() is None, reason=f"no {SHM_PATH} on this system")
@@ -191,10 +191,6 @@ def _layout() -> SourceLayout:
 
 def test_the_node_id_area_is_counted_with_the_producer_progress():
     """The Ray node ids live beside the progress counters: the sizing counts the bytes progress keeps."""
-    from simstream.buffer import sizing
-    from simstream.engine import progress
-
-    assert sizing._NODE_ID_BYTES_PER_WORKER == progress._NODE_ID_BYTES
 
     def regions(workers: int) -> dict[str, SharedRegion]:
         cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=workers)

@@ -24,7 +24,6 @@ from tensordict import TensorDict
 from .._bounded import held
 from .._sync import SharedFlag, SharedLock
 from ..buffer.index import EPISODE, EligibilityIndex
-from ..buffer.sizing import check_context_lengths, check_shared_memory
 from ..buffer.storage import TrajectoryStorage
 from ..config import OnlineDataEngineCfg
 from ..errors import DataBudgetExhaustedError, DataUnavailableError, OnlineDataWorkerError
@@ -34,6 +33,7 @@ from ..workers.channel import ErrorChannel
 from .lifecycle import EngineLifecycle
 from .progress import ProducerProgress
 from .shared import EngineShared
+from .sizing import check_context_lengths, check_shared_memory
 from .state import OnlineDataEngineState as State
 
 __all__ = ["OnlineDataEngine"]

@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ..buffer.gate import RecordGate
+from ..buffer.index import EligibilityIndex
+from ..buffer.storage import TrajectoryStorage
 from ..workers.channel import CHANNEL_BYTES
-from .gate import RecordGate
-from .index import EligibilityIndex
-from .storage import TrajectoryStorage
+from .progress import _NODE_ID_BYTES
 
 if TYPE_CHECKING:
     from ..config import OnlineDataEngineCfg, SourceLayout
@@ -45,8 +46,6 @@ _EVENT_RECORD_SCALARS = 7
 """int64 fields of one lifecycle record (kind, sequence, run, episode, generation, slot, time)."""
 _QUOTA_COLUMNS, _QUOTA_META = 4, 2
 """int64 columns of the per-row quota table, and its shared totals."""
-_NODE_ID_BYTES_PER_WORKER = 64
-"""The Ray node id (hex) kept per producer beside its progress counters (``engine.progress``)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ def shared_regions(cfg: OnlineDataEngineCfg, layout: SourceLayout) -> list[Share
             "num_workers",
             cfg.num_workers,
             8 * (_PROGRESS_SLOTS + _PROGRESS_SLOTS_PER_WORKER * cfg.num_workers)
-            + _NODE_ID_BYTES_PER_WORKER * cfg.num_workers,
+            + _NODE_ID_BYTES * cfg.num_workers,  # the Ray node id kept per producer,
         ),
         SharedRegion(
             "record gate",
