@@ -212,6 +212,8 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
         (["--env", "NoSuch-v0"], "--env 'NoSuch-v0' is not a gymnasium environment here"),
         (["--resume", "missing.pt"], "--resume 'missing.pt' is not a checkpoint file"),
         (["--num-envs", "0"], "num_envs must be"),
+        (["--gamma", "1.5"], "APPOConfig.gamma must be a number in [0, 1], got 1.5 (option --gamma)"),
+        (["--runner.hang-timeout-s", "0"], "RunnerConfig.hang_timeout_s must be a number in (0, 1e6]"),
     ],
 )
 def test_cli_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):

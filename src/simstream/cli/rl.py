@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -81,9 +82,22 @@ def main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except ValueError as error:  # a config field out of range
-        print(f"simstream rl: {error}", file=sys.stderr)
+        print(f"simstream rl: {_name_the_flag(str(error))}", file=sys.stderr)
         return 2
     return run(args)
+
+
+def _name_the_flag(message: str) -> str:
+    """``APPOConfig.gamma must be ...`` -> ``... (--gamma)``: the option a user typed, beside the field.
+
+    >>> _name_the_flag("RunnerConfig.hang_timeout_s must be a number > 0, got 0")
+    'RunnerConfig.hang_timeout_s must be a number > 0, got 0 (option --runner.hang-timeout-s)'
+    """
+    match = re.match(r"(APPOConfig|RunnerConfig)\.(\w+)", message)
+    if match is None:
+        return message
+    prefix = "--runner." if match.group(1) == "RunnerConfig" else "--"
+    return f"{message} (option {prefix}{match.group(2).replace('_', '-')})"
 
 
 def run(args: RLArgs) -> int:
