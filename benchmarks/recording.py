@@ -20,6 +20,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses
 import shutil
 import statistics
 import tempfile
@@ -42,6 +43,8 @@ class Args:
     workers: int = 2
     video_codec: str = "h264"
     """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
+    flush_every: int = 32
+    """The recorder's episodes per group of files (``LeRobotRecorder.flush_every``; its default: 32)."""
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):
@@ -70,7 +73,11 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
     from simstream.lerobot import LeRobotRecorder
 
     engine = _engine(source, args.workers, 8 * args.workers, manual=True)
-    recorder = LeRobotRecorder(engine, record, video_codec=args.video_codec) if record is not None else None
+    recorder = (
+        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every)
+        if record is not None
+        else None
+    )
     if recorder is not None:
         recorder.start()
     with engine:
@@ -102,7 +109,9 @@ def sampling(source, args: Args, record: Path | None) -> float:
 
     engine = _engine(source, args.workers, 64, manual=False)
     recorder = (
-        LeRobotRecorder(engine, record, video_codec=args.video_codec).start() if record is not None else None
+        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every).start()
+        if record is not None
+        else None
     )
     with engine:
         first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
@@ -128,12 +137,14 @@ def run(args: Args) -> int:
 
     torch.set_num_threads(1)
     if args.quick:
-        args = Args(quick=True, seconds=2.0, rounds=1, workers=args.workers, video_codec=args.video_codec)
+        args = dataclasses.replace(args, seconds=2.0, rounds=1)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
     video = f"64x64 video ({args.video_codec})"
     sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}
     flags = " --quick" if args.quick else f" --seconds {args.seconds:g} --rounds {args.rounds}"
-    flags += f" --video-codec {args.video_codec}"
+    flags += f" --video-codec {args.video_codec}" + (
+        f" --flush-every {args.flush_every}" if args.flush_every != 32 else ""
+    )
     print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
     rows = []
     try:

@@ -243,3 +243,29 @@ def test_episode_writer_claim_passes_through_the_gate():
     gate.mark_recorded(0, 5)
     harness.writer.claim(0, 1, check=closing)  # recorded: claims at once
     assert int(harness.index.version[0]) % 2 == 1
+
+
+def test_a_failing_writer_is_raised_and_never_wedges_the_producers(tmp_path):
+    """The writer thread's failure (here a full disk, injected: it cannot be caused on demand) reaches
+    check() and close() as itself, detaches the gate, and the producers keep publishing."""
+    spec = PatternSpec()
+    cfg = OnlineDataEngineCfg(source=spec, buffer_size=4, num_workers=2, refill_policy="manual")
+    engine = OnlineDataEngine(cfg)
+    recorder = LeRobotRecorder(engine, tmp_path / "ds", flush_every=2)
+
+    def full_disk() -> int:
+        raise OSError(28, "No space left on device (injected)")
+
+    recorder.writer.flush = full_disk
+    with engine:
+        recorder.start()
+        assert recorder.wait_flushed(1, timeout_s=30.0)  # the wait ends at the failure
+        assert recorder.episodes_flushed == 0
+        with pytest.raises(OSError, match=r"No space left on device \(injected\)"):
+            recorder.check()
+        assert not engine._shared.record_gate.attached
+        for _ in range(3):  # rows holding unrecorded episodes are claimed again: nobody waits
+            engine.wait_for_generation(engine.request_refill(), timeout=30.0)
+        with pytest.raises(OSError, match=r"No space left on device \(injected\)"):
+            recorder.close(timeout_s=30.0)
+    assert recorder.episodes_flushed == 0

@@ -5,13 +5,20 @@ does (note the row's even seqlock version, copy, check the version again) but ne
 ``sample_batch``: it polls the eligibility index for rows whose published episode id is newer than what it
 recorded, copies them, and marks them recorded in the engine's :class:`~simstream.buffer.gate.RecordGate`.
 A producer that wants to overwrite a row it has not recorded yet waits (``on_full="wait"``, the default)
-or overwrites it and counts it as skipped (``on_full="skip"``); nothing is dropped silently. Encoding and
-file writes (pyarrow, PyAV) release the GIL, so a thread costs the trainer little (``BENCHMARKS.md``).
+or overwrites it and counts it as skipped (``on_full="skip"``); nothing is dropped silently.
+
+Copying and writing are two threads: the copy thread hands groups of episodes to a writer thread, which
+encodes, writes and fsyncs them. A group's fsyncs take tens of milliseconds of waiting on the disk, and a
+producer waiting for its rows to be copied must not wait for them; at most ``_GROUPS_IN_FLIGHT`` groups
+wait for the writer, after which the copy thread (and so, in ``"wait"`` mode, the producers) waits too.
+Encoding and file writes (pyarrow, PyAV) release the GIL, so the threads cost the trainer little
+(``BENCHMARKS.md``).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from pathlib import Path
@@ -29,6 +36,10 @@ __all__ = ["LeRobotRecorder"]
 logger = logging.getLogger(__name__)
 _POLL_S = 0.01
 """Idle poll of the index: a producer waits at most about this long for a copy."""
+_GROUPS_IN_FLIGHT = 2
+"""Groups copied but not yet written that the copy thread may run ahead of the writer thread."""
+_DONE = None
+"""Ends the writer thread's queue."""
 _METADATA = ("task_index", "subtask_index", "segment_id", "segment_accepted", "terminated", "truncated")
 
 
@@ -112,6 +123,10 @@ class LeRobotRecorder:
         self._base = self.writer.episodes_flushed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writer_thread: threading.Thread | None = None
+        self._groups: queue.Queue = queue.Queue(maxsize=_GROUPS_IN_FLIGHT)
+        self._group: list[EpisodeRecord] = []
+        """Copied episodes not yet handed to the writer thread (the copy thread's)."""
         self._error: BaseException | None = None
         self._stopped = False
         self._flushed = threading.Condition()
@@ -148,6 +163,8 @@ class LeRobotRecorder:
         if self._thread is not None:
             raise RuntimeError("LeRobotRecorder.start() was already called")
         self._shared.record_gate.attach(self.on_full)
+        self._writer_thread = threading.Thread(target=self._write, name="lerobot-writer", daemon=True)
+        self._writer_thread.start()
         self._thread = threading.Thread(target=self._run, name="lerobot-recorder", daemon=True)
         self._thread.start()
         return self
@@ -164,12 +181,15 @@ class LeRobotRecorder:
         not finish within ``timeout_s`` (it keeps running as a daemon; what it flushed stays valid).
         """
         if self._thread is not None:
+            deadline = time.monotonic() + timeout_s
             self._stop.set()
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(
-                    f"LeRobotRecorder.close: the recorder thread did not finish in {timeout_s} s"
-                )
+            for thread in (self._thread, self._writer_thread):
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    raise TimeoutError(
+                        f"LeRobotRecorder.close: the recorder thread {thread.name!r} did not finish in "
+                        f"{timeout_s} s"
+                    )
         self._shared.record_gate.detach()
         self.check()
 
@@ -181,36 +201,72 @@ class LeRobotRecorder:
 
     # -- thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        """The copy thread: copy published rows, hand groups to the writer thread, end its queue."""
         try:
-            last_flush = time.monotonic()
+            last_handoff = time.monotonic()
             while True:
                 stopping = self._stop.is_set()  # read before the scan: a final pass sees everything published
                 copied = 0 if self.done else self._copy_published()
                 if self.done:
                     self._shared.record_gate.detach()  # producers run freely past the requested count
-                pending = self.writer.pending
-                due = time.monotonic() - last_flush >= self.flush_interval_s
+                pending = len(self._group)
+                due = time.monotonic() - last_handoff >= self.flush_interval_s
                 if pending >= self.flush_every or (pending and (stopping or self.done or due)):
-                    self._flush()
-                    last_flush = time.monotonic()
-                if stopping:
+                    self._hand_off()
+                    last_handoff = time.monotonic()
+                if stopping or self._error is not None:
                     return
                 if not copied:
                     if self._shared.channel.error() is not None:  # the engine failed: keep what was copied
-                        self._flush()
+                        self._hand_off()
                         return
                     self._stop.wait(_POLL_S)
         except BaseException as error:  # surfaced by check() / close()
-            self._error = error
-            logger.exception("LeRobot recorder failed")
+            self._fail(error)
         finally:
             self._shared.record_gate.detach()  # no producer may wait on a recorder that is gone
+            self._put(_DONE)
+
+    def _hand_off(self) -> None:
+        if self._group:
+            group, self._group = self._group, []
+            self._put(group)
+
+    def _put(self, item: list[EpisodeRecord] | None) -> None:
+        """Queue ``item`` for the writer thread, waiting while it is ``_GROUPS_IN_FLIGHT`` groups behind
+        (and giving up once it has stopped: a failed writer drains nothing)."""
+        while True:
+            try:
+                self._groups.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                if self._writer_thread is None or not self._writer_thread.is_alive():
+                    return
+
+    def _write(self) -> None:
+        """The writer thread: write each group as closed files, in order, until the queue ends."""
+        try:
+            while True:
+                group = self._groups.get()
+                if group is _DONE:
+                    return
+                for episode in group:
+                    self.writer.add(episode)
+                self.writer.flush()
+                with self._flushed:
+                    self._flushed.notify_all()
+        except BaseException as error:
+            self._fail(error)
+        finally:
             with self._flushed:
                 self._stopped = True
                 self._flushed.notify_all()
 
-    def _flush(self) -> None:
-        self.writer.flush()
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+            logger.exception("LeRobot recorder failed", exc_info=error)
+        self._shared.record_gate.detach()  # producers must not wait on a recorder that failed
         with self._flushed:
             self._flushed.notify_all()
 
@@ -233,7 +289,7 @@ class LeRobotRecorder:
             if self.only_success and not episode.success:
                 self.episodes_filtered += 1
                 continue
-            self.writer.add(episode)
+            self._group.append(episode)
             self.episodes_recorded += 1
         return copied
 
