@@ -9,8 +9,8 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
    Target: with / without >= 0.95. Also the CPU per episode of the producers and of the recorder (the
    owner's CPU with the recorder minus without), and the ceiling they put on the ratio when the producers
    fill every core: producer / (producer + recorder).
-2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting),
-   without and with the recorder: batches/s. Target: >= 0.90.
+2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting,
+   with ``demo --record``'s groups of 8 episodes), without and with the recorder: batches/s. Target: >= 0.90.
 3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 """
 
@@ -43,8 +43,9 @@ class Args:
     workers: int = 2
     video_codec: str = "h264"
     """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
-    flush_every: int = 32
-    """The recorder's episodes per group of files (``LeRobotRecorder.flush_every``; its default: 32)."""
+    flush_every: int | None = None
+    """The recorder's episodes per group of files; default: what each command uses (``simstream record``:
+    the recorder's default, 32; ``demo --record``, the sampling section: ``TRAINING_FLUSH_EVERY``, 8)."""
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):
@@ -74,7 +75,7 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
 
     engine = _engine(source, args.workers, 8 * args.workers, manual=True)
     recorder = (
-        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every)
+        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every or 32)
         if record is not None
         else None
     )
@@ -109,7 +110,9 @@ def sampling(source, args: Args, record: Path | None) -> float:
 
     engine = _engine(source, args.workers, 64, manual=False)
     recorder = (
-        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every).start()
+        LeRobotRecorder(
+            engine, record, video_codec=args.video_codec, flush_every=_training_flush_every(args)
+        ).start()
         if record is not None
         else None
     )
@@ -123,6 +126,12 @@ def sampling(source, args: Args, record: Path | None) -> float:
     if recorder is not None:
         recorder.close()
     return batches / elapsed, episodes / elapsed
+
+
+def _training_flush_every(args: Args) -> int:
+    from simstream.bc.recording import TRAINING_FLUSH_EVERY
+
+    return args.flush_every or TRAINING_FLUSH_EVERY
 
 
 def replay(root: Path, args: Args) -> float:
@@ -143,7 +152,7 @@ def run(args: Args) -> int:
     sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}
     flags = " --quick" if args.quick else f" --seconds {args.seconds:g} --rounds {args.rounds}"
     flags += f" --video-codec {args.video_codec}" + (
-        f" --flush-every {args.flush_every}" if args.flush_every != 32 else ""
+        f" --flush-every {args.flush_every}" if args.flush_every else ""
     )
     print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
     rows = []
