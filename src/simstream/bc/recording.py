@@ -14,9 +14,10 @@ __all__ = ["TRAINING_FLUSH_EVERY", "demo_recorder", "demo_source"]
 
 TRAINING_FLUSH_EVERY = 8
 """Episodes per group of files when recording beside training (``demo --record``). Smaller than the
-recorder's default of 32: in the trainer's process, ``sample_batch`` kept 0.90-0.93 of its rate with
-groups of 8 and 0.82-0.85 with groups of 32 (``benchmarks/recording.py``, five runs); a recording-only
-process (``simstream record``) gains from larger groups (less CPU per episode, fewer files)."""
+recorder's default of 32, which suits a recording-only process (``simstream record``: less CPU per
+episode, fewer files). Beside a trainer, ``sample_batch`` kept 0.83-0.93 of its rate with groups of 8
+(median 0.90 over three runs) and 0.82-0.85 with groups of 32 (three runs): the runs overlap, but
+shorter bursts of writing never measured worse (``BENCHMARKS.md``, recording runs 9-13)."""
 
 
 def demo_source(cfg: Any, live_source: Any) -> Any:
