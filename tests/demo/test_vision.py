@@ -93,6 +93,17 @@ def test_random_shift_keeps_shape_and_dtype_and_moves_the_content():
     assert random_shift(images, 0) is images
 
 
+def test_random_shift_is_the_documented_crop_of_the_replicated_padding():
+    generator = torch.Generator().manual_seed(2)
+    images = torch.randint(0, 256, (5, 3, S, S), dtype=torch.uint8, generator=generator)
+    shifted = random_shift(images, 3, torch.Generator().manual_seed(4))
+    dy, dx = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(4))
+    rows = (torch.arange(S)[None, :] + dy[:, None] - 3).clamp(0, S - 1)  # replicate = clamp the index
+    cols = (torch.arange(S)[None, :] + dx[:, None] - 3).clamp(0, S - 1)
+    for n in range(5):
+        assert torch.equal(shifted[n], images[n][:, rows[n]][:, :, cols[n]])
+
+
 def test_random_shift_fills_with_the_replicated_border():
     images = torch.arange(S, dtype=torch.float32).repeat(1, 1, S, 1)  # column index as the value
     shifted = random_shift(images, 4, torch.Generator().manual_seed(0))

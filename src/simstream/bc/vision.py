@@ -77,11 +77,13 @@ def random_shift(images: torch.Tensor, pad: int, generator: torch.Generator | No
         return images
     n, _, height, width = images.shape
     padded = nn.functional.pad(images.float(), (pad, pad, pad, pad), mode="replicate").to(images.dtype)
-    offsets = torch.randint(0, 2 * pad + 1, (2, n), generator=generator).to(images.device)
-    rows = (offsets[0, :, None] + torch.arange(height, device=images.device))[:, :, None]
-    cols = (offsets[1, :, None] + torch.arange(width, device=images.device))[:, None, :]
-    batch = torch.arange(n, device=images.device)[:, None, None]
-    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+    offsets = torch.randint(0, 2 * pad + 1, (2, n), generator=generator).tolist()
+    out = torch.empty_like(images)
+    # one slice copy per image: a batched gather (advanced indexing) cost 4x as much, and the whole
+    # training step 1.33x (95 against 71 ms at batch 64, two 64 x 64 cameras, one thread)
+    for k, (dy, dx) in enumerate(zip(*offsets)):
+        out[k] = padded[k, :, dy : dy + height, dx : dx + width]
+    return out
 
 
 @dataclass(frozen=True)
