@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import tyro
 
+from _timing import process_cpu_seconds
+
 
 @dataclass(frozen=True)
 class Args:
@@ -56,41 +58,37 @@ def _engine(source, workers: int, buffer_size: int, manual: bool):
     return OnlineDataEngine(cfg)
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _producers_cpu_s(engine) -> float:
+def _producer_pids(engine) -> list[int]:
     processes = engine._supervisor.processes
-    return sum(_process_cpu_s(p.pid) for name, p in processes.items() if name.startswith("producer-"))
+    return [process.pid for name, process in processes.items() if name.startswith("producer-")]
+
+
+def _recorder(engine, record: Path | None, args: Args, flush_every: int | None):
+    """A started ``LeRobotRecorder`` into ``record`` (``None``: no recorder); ``flush_every=None``: its
+    default."""
+    from simstream.lerobot import LeRobotRecorder
+
+    if record is None:
+        return None
+    groups = {} if flush_every is None else {"flush_every": flush_every}
+    return LeRobotRecorder(engine, record, video_codec=args.video_codec, **groups).start()
 
 
 def production(source, args: Args, record: Path | None) -> dict[str, float]:
     """Episodes/s the producers publish with generations requested back to back (``simstream record``),
     and the CPU seconds per episode of the producers and of this process (the recorder's thread runs here)."""
-    from simstream.lerobot import LeRobotRecorder
-
     engine = _engine(source, args.workers, 8 * args.workers, manual=True)
-    recorder = (
-        LeRobotRecorder(engine, record, video_codec=args.video_codec, flush_every=args.flush_every or 32)
-        if record is not None
-        else None
-    )
-    if recorder is not None:
-        recorder.start()
+    recorder = _recorder(engine, record, args, args.flush_every)
     with engine:
         first, began = engine.get_stats()["successful_episodes"], time.monotonic()
-        owner_cpu, producers_cpu = time.process_time(), _producers_cpu_s(engine)
+        owner_cpu, producers_cpu = time.process_time(), process_cpu_seconds(_producer_pids(engine))
         while time.monotonic() - began < args.seconds:
             engine.request_refill()
             time.sleep(0.01)  # the record command polls its progress the same way
         elapsed = time.monotonic() - began
         episodes = engine.get_stats()["successful_episodes"] - first
         owner_cpu = time.process_time() - owner_cpu
-        producers_cpu = _producers_cpu_s(engine) - producers_cpu
+        producers_cpu = process_cpu_seconds(_producer_pids(engine)) - producers_cpu
     out = {
         "episodes_per_s": episodes / elapsed,
         "owner_cpu_per_episode_s": owner_cpu / max(1, episodes),
@@ -106,16 +104,10 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
 
 def sampling(source, args: Args, record: Path | None) -> float:
     """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously."""
-    from simstream.lerobot import LeRobotRecorder
+    from simstream.bc.recording import TRAINING_FLUSH_EVERY
 
     engine = _engine(source, args.workers, 64, manual=False)
-    recorder = (
-        LeRobotRecorder(
-            engine, record, video_codec=args.video_codec, flush_every=_training_flush_every(args)
-        ).start()
-        if record is not None
-        else None
-    )
+    recorder = _recorder(engine, record, args, args.flush_every or TRAINING_FLUSH_EVERY)
     with engine:
         first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
         while time.monotonic() - began < args.seconds:
@@ -126,12 +118,6 @@ def sampling(source, args: Args, record: Path | None) -> float:
     if recorder is not None:
         recorder.close()
     return batches / elapsed, episodes / elapsed
-
-
-def _training_flush_every(args: Args) -> int:
-    from simstream.bc.recording import TRAINING_FLUSH_EVERY
-
-    return args.flush_every or TRAINING_FLUSH_EVERY
 
 
 def replay(root: Path, args: Args) -> float:

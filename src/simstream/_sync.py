@@ -175,11 +175,6 @@ class _LockFile:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    @classmethod
-    def open_count(cls) -> int:
-        """Lock files this process has open (for leak checks)."""
-        return len(cls._by_inode)
-
     def thread_lock(self, offset: int) -> threading.Lock:
         lock = self.thread_locks.get(offset)
         if lock is None:

@@ -94,7 +94,7 @@ def shared_regions(cfg: OnlineDataEngineCfg, layout: SourceLayout) -> list[Share
             "num_workers",
             cfg.num_workers,
             8 * (_PROGRESS_SLOTS + _PROGRESS_SLOTS_PER_WORKER * cfg.num_workers)
-            + _NODE_ID_BYTES * cfg.num_workers,  # the Ray node id kept per producer,
+            + _NODE_ID_BYTES * cfg.num_workers,  # the Ray node id kept per producer
         ),
         SharedRegion(
             "record gate",
