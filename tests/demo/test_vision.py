@@ -20,9 +20,11 @@ from simstream.bc.evaluate import RolloutConfig
 from simstream.bc.prefetch import BatchPrefetcher
 from simstream.bc.train import batch_sampler
 from simstream.bc.vision import (
+    OBJECT_DIM,
     PROPRIO_DIM,
     VisionPolicy,
     VisionPolicyConfig,
+    object_positions,
     policy_keys,
     proprio_features,
     random_shift,
@@ -168,6 +170,77 @@ def test_the_trainer_asks_the_engine_for_the_policy_keys_only():
     assert calls[-1][3] == ["obs/state", "actions", "task_index"]
 
 
+# ------------------------------------------------------------- the auxiliary cube-position head (a target)
+def test_object_positions_are_the_position_of_each_cube_in_colour_order():
+    objects = torch.arange(2 * 21, dtype=torch.float32).view(2, 21)
+    expected = torch.tensor([0, 1, 2, 7, 8, 9, 14, 15, 16], dtype=torch.float32)
+    assert torch.equal(object_positions(objects), torch.stack([expected, expected + 21]))
+
+
+def test_the_auxiliary_head_reads_the_cube_poses_as_a_target_never_as_an_input():
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    plain = vision_context_batch(batch, H, _instructions(), CAMERAS)
+    with_targets = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
+    assert plain.object_targets is None
+    assert torch.equal(with_targets.object_targets, object_positions(batch["obs", "objects"][:, H - 1]))
+    policy = _policy(object_dim=OBJECT_DIM)
+    policy.eval()
+    output = policy(*with_targets.inputs())
+    assert torch.equal(output, policy(*plain.inputs()))  # the targets change nothing the policy reads
+    batch["obs", "objects"] = torch.randn(batch["obs", "objects"].shape) * 100
+    changed = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
+    assert torch.equal(policy(*changed.inputs()), output)
+    # the auxiliary loss is the head's mean squared error on the normalised positions
+    policy.object_mean.fill_(1.0)
+    policy.object_std.fill_(2.0)
+    prediction, features = policy.forward_with_features(*changed.inputs())
+    assert torch.equal(prediction, output)
+    expected = (policy.object_head(features) - (changed.object_targets - 1.0) / 2.0).pow(2).mean()
+    assert torch.allclose(policy.object_loss(features, changed.object_targets), expected)
+
+
+def test_the_auxiliary_loss_trains_the_camera_encoders():
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    data = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
+    policy = _policy(object_dim=OBJECT_DIM)
+    _, features = policy.forward_with_features(*data.inputs())
+    policy.object_loss(features, data.object_targets).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.object_head.parameters())
+    assert policy.encoders["front"].convs[0].weight.grad.abs().sum() > 0
+    assert policy.head.weight.grad is None  # the action head is not part of it
+
+
+def test_fitting_the_normaliser_of_a_policy_with_the_auxiliary_head_needs_its_targets():
+    data = vision_context_batch(_context_batch(torch.Generator().manual_seed(0)), H, _instructions(), CAMERAS,
+                                objects=True)  # fmt: skip
+    policy = _policy(object_dim=OBJECT_DIM)
+    with pytest.raises(ValueError, match=r"VisionPolicy\.fit_normalizer\.object_targets must be a"):
+        policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask)
+    policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask, data.object_targets)
+    assert torch.allclose(policy.object_mean, data.object_targets.mean(0))
+    assert torch.allclose(policy.object_std, data.object_targets.std(0).clamp_min(1e-3))
+
+
+def test_the_trainer_asks_for_the_cube_poses_only_with_the_auxiliary_head():
+    calls = []
+
+    class Engine:
+        def sample_batch_with_context(self, batch_size, history, horizon, *, generator, keys):
+            calls.append(keys)
+            return _context_batch(torch.Generator().manual_seed(0))
+
+    data = batch_sampler(Engine(), _policy(object_dim=OBJECT_DIM), _instructions(), B, torch.Generator())()
+    assert calls[-1] == [*policy_keys(CAMERAS), "obs/objects"]
+    assert data.object_targets.shape == (B, OBJECT_DIM)
+    data = batch_sampler(Engine(), _policy(), _instructions(), B, torch.Generator())()
+    assert calls[-1] == policy_keys(CAMERAS) and data.object_targets is None
+
+
+def test_demo_config_gives_the_policy_the_auxiliary_head_with_a_positive_weight():
+    assert DemoConfig(vision=True, object_aux_weight=0.0).policy_config.object_dim == 0
+    assert DemoConfig(vision=True, object_aux_weight=0.5).policy_config.object_dim == OBJECT_DIM
+
+
 # ---------------------------------------------------------------------------------------- policy, batch
 def test_vision_batch_splits_at_the_anchor_and_zeroes_padding():
     batch = _context_batch(torch.Generator().manual_seed(0))
@@ -204,6 +277,15 @@ def test_vision_checkpoint_round_trip(tmp_path):
     assert torch.equal(loaded.policy.proprio_mean, policy.proprio_mean)
 
 
+def test_vision_checkpoint_with_the_auxiliary_head_round_trips(tmp_path):
+    policy = _policy(object_dim=OBJECT_DIM)
+    policy.object_std.fill_(0.25)
+    checkpoint = PolicyCheckpoint(policy, HashedTextEmbedding(64), "pick_place", RolloutConfig())
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "c.pt", checkpoint))
+    assert loaded.policy.config.object_dim == OBJECT_DIM
+    assert torch.equal(loaded.policy.object_std, policy.object_std)
+
+
 def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
     checkpoint = PolicyCheckpoint(_policy(), HashedTextEmbedding(64), "pick_place", RolloutConfig())
     path = save_checkpoint(tmp_path / "c.pt", checkpoint)
@@ -226,6 +308,8 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"cameras": ("back",)}, "got ('back',)"),
         ({"device": "tpu"}, "DemoConfig.device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
         ({"device": "cuda:99"}, "DemoConfig.device must be an available device"),
+        ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
+        ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
     ],
 )
 def test_demo_config_rejects_bad_vision_settings(kwargs, message):
@@ -241,6 +325,7 @@ def test_demo_config_rejects_bad_vision_settings(kwargs, message):
         ({"keypoints": 0}, "VisionPolicyConfig.keypoints must be an int >= 1, got 0"),
         ({"shift": -1}, "VisionPolicyConfig.shift must be an int in [0, 16], got -1"),
         ({"cameras": ("side",)}, "VisionPolicyConfig.cameras must be a nonempty tuple of distinct cameras"),
+        ({"object_dim": 3}, "VisionPolicyConfig.object_dim must be 0 (no auxiliary head) or 9"),
     ],
 )
 def test_vision_policy_config_names_the_bad_field(kwargs, message):

@@ -11,7 +11,7 @@ from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
 from .policy import PolicyConfig
-from .vision import VisionPolicyConfig
+from .vision import OBJECT_DIM, VisionPolicyConfig
 
 __all__ = ["QUICK_OVERRIDES", "QUICK_VISION_OVERRIDES", "VISION_OVERRIDES", "DemoConfig"]
 
@@ -94,6 +94,10 @@ class DemoConfig:
     """With ``--vision``: random-shift augmentation (DrQ) in pixels, in [0, image_size / 4]."""
     channels: int = 16
     """With ``--vision``: channels of each camera's conv encoder."""
+    object_aux_weight: float = 0.0
+    """With ``--vision``: weight of an auxiliary loss that predicts the cubes' positions from the camera
+    features during training (0: none). The positions are a training target only, never an input of the
+    policy; evaluation never reads them."""
     device: str = "cpu"
     """Trainer device: ``cpu``, or ``cuda`` / ``cuda:N`` when one is available (batches are pinned and
     copied with ``non_blocking``); producers always run on the CPU."""
@@ -128,6 +132,7 @@ class DemoConfig:
         self.engine_backend  # noqa: B018  (validates backend and ray_address)
         for name in ("lr", "time_limit_s"):
             require_number("DemoConfig", name, getattr(self, name), 0, low_open=True)
+        require_number("DemoConfig", "object_aux_weight", self.object_aux_weight, 0, 100)
         require_number("DemoConfig", "weight_decay", self.weight_decay, 0)
         require(
             self.buffer_size >= self.num_workers,
@@ -194,7 +199,7 @@ class DemoConfig:
             return VisionPolicyConfig(
                 cameras=self.cameras, image_size=self.image_size, history=self.history, horizon=self.horizon,
                 hidden=self.hidden, layers=self.layers, text_dim=self.text_dim, channels=self.channels,
-                shift=self.shift,
+                shift=self.shift, object_dim=OBJECT_DIM if self.object_aux_weight > 0 else 0,
             )  # fmt: skip
         return PolicyConfig(
             history=self.history,

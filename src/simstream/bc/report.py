@@ -184,6 +184,13 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             "the robot's proprioception and the instruction: no object poses."
             if summary.get("vision")
             else ""
+        )
+        + (
+            " During training only, an auxiliary head learned to predict the cubes' positions from the "
+            f"camera features (weight {cfg['object_aux_weight']:g}): a target like the actions, never an "
+            "input."
+            if summary.get("vision") and cfg.get("object_aux_weight")
+            else ""
         ),
         "",
         "| result | value |",

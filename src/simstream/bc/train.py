@@ -94,16 +94,18 @@ def batch_sampler(
     """A function that samples one context batch and converts it to the policy's tensors.
 
     It asks the engine for the keys the policy reads only (``keys=``): a vision policy's batch holds the
-    camera frames, ``obs/state``, ``actions`` and ``task_index``, never ``obs/objects``. ``images=False``
+    camera frames, ``obs/state``, ``actions`` and ``task_index``, and ``obs/objects`` only when the policy
+    has the auxiliary cube-position head (then as that head's target, never as an input). ``images=False``
     leaves the frames out (fitting the normalisation needs the low-dimensional keys only).
     """
     config = policy.config
     if isinstance(policy, VisionPolicy):
         cameras = config.cameras if images else ()
-        keys = policy_keys(cameras) if images else policy_keys(())
+        objects = bool(config.object_dim)
+        keys = policy_keys(cameras) + (["obs/objects"] if objects else [])
 
         def convert(batch):
-            return vision_context_batch(batch, config.history, instructions, cameras)
+            return vision_context_batch(batch, config.history, instructions, cameras, objects=objects)
     else:
         keys = ["obs/state", "obs/objects", "actions", "task_index"]
 
@@ -127,8 +129,11 @@ def fit_normalizer(
 ) -> int:
     """Fit the policy's normalisation on 8192 contexts of the first generation; returns the count."""
     data = batch_sampler(engine, policy, instructions, 8192, generator, images=False)()
-    first = data.proprio if isinstance(policy, VisionPolicy) else data.features
-    policy.fit_normalizer(first, data.history_mask, data.targets, data.loss_mask)
+    if isinstance(policy, VisionPolicy):
+        objects = data.object_targets
+        policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask, objects)
+    else:
+        policy.fit_normalizer(data.features, data.history_mask, data.targets, data.loss_mask)
     return len(data)
 
 
@@ -219,8 +224,7 @@ def train_policy(
             log.batch_wait_s += waited
             if device.type != "cpu":
                 data = data.apply(lambda tensor: tensor.to(device, non_blocking=True))
-            prediction = policy(*data.inputs())
-            loss = masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
+            loss = _loss(policy, data, cfg.object_aux_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -263,6 +267,16 @@ def train_policy(
         bar.close()
         log.train_time_s = time.monotonic() - began
     return log
+
+
+def _loss(policy: ChunkPolicy | VisionPolicy, data: Any, object_aux_weight: float) -> torch.Tensor:
+    """The chunk loss, plus ``object_aux_weight`` times the auxiliary cube-position loss if there is one."""
+    if isinstance(policy, VisionPolicy) and policy.config.object_dim:
+        prediction, features = policy.forward_with_features(*data.inputs())
+        chunk = masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
+        return chunk + object_aux_weight * policy.object_loss(features, data.object_targets)
+    prediction = policy(*data.inputs())
+    return masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
 
 
 def _check(

@@ -11,6 +11,12 @@ the third layer's channels by FiLM, so the encoder can look for "the red cube") 
 ``K`` keypoints, the expected image coordinates of ``K`` feature maps, which is what a reaching policy needs
 from a 64 x 64 image. Training applies DrQ's random shift (pad by ``shift`` pixels, replicate the border,
 crop back at a random offset per sample).
+
+Optionally (``object_dim > 0``, the demo's ``--object-aux-weight``) a small auxiliary head predicts the
+cubes' positions from the same camera keypoints and proprioception during training. The cube positions are a
+training target only, as the actions are: they never enter :meth:`VisionPolicy.forward`, and evaluation never
+reads them. Supervising where the cubes are teaches the encoders to find them much sooner than the action
+loss alone does.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ if TYPE_CHECKING:
     from .data import InstructionTable
 
 __all__ = [
+    "OBJECT_DIM",
     "PROPRIO_DIM",
     "VisionBatch",
     "VisionPolicy",
     "VisionPolicyConfig",
+    "object_positions",
     "policy_keys",
     "proprio_features",
     "random_shift",
@@ -57,8 +65,18 @@ def proprio_features(state: torch.Tensor) -> torch.Tensor:
     return state[..., _KEPT_STATE]
 
 
+OBJECT_DIM = 9
+"""Auxiliary target: the position (3) of each of the three cubes, in ``obs/objects`` order."""
+
+
+def object_positions(objects: torch.Tensor) -> torch.Tensor:
+    """``obs/objects [..., 21]`` (position and quaternion per cube) -> cube positions ``[..., 9]``."""
+    return objects.unflatten(-1, (-1, 7))[..., :3].flatten(-2)
+
+
 def policy_keys(cameras: tuple[str, ...]) -> list[str]:
-    """The stored keys a vision training step reads: images, ``obs/state``, ``actions``, ``task_index``."""
+    """The stored keys a vision training step reads as inputs: images, ``obs/state``, ``task_index``, and
+    ``actions`` (the targets)."""
     return [*(image_key(camera) for camera in cameras), "obs/state", "actions", "task_index"]
 
 
@@ -110,6 +128,9 @@ class VisionPolicyConfig:
     """Spatial-softmax keypoints per camera (each gives 2 coordinates)."""
     shift: int = 4
     """Random-shift augmentation during training, in pixels (0: none)."""
+    object_dim: int = 0
+    """Outputs of the auxiliary cube-position head (0: no head; :data:`OBJECT_DIM` with one). A training
+    target only: never an input of the policy."""
 
     def __post_init__(self) -> None:
         from simstream.tasks import CAMERAS
@@ -125,6 +146,10 @@ class VisionPolicyConfig:
                           ("channels", 8), ("keypoints", 1)):  # fmt: skip
             require_int("VisionPolicyConfig", name, getattr(self, name), low)
         require_int("VisionPolicyConfig", "shift", self.shift, 0, self.image_size // 4)
+        require(
+            self.object_dim in (0, OBJECT_DIM), "VisionPolicyConfig", "object_dim",
+            f"0 (no auxiliary head) or {OBJECT_DIM} (the cube positions)", self.object_dim,
+        )  # fmt: skip
 
 
 class CameraEncoder(nn.Module):
@@ -188,22 +213,52 @@ class VisionPolicy(nn.Module):
         nn.init.zeros_(self.film.weight)
         nn.init.zeros_(self.film.bias)
         self.head = nn.Linear(width, config.horizon * ACTION_DIM)
+        if config.object_dim:
+            self.register_buffer("object_mean", torch.zeros(config.object_dim))
+            self.register_buffer("object_std", torch.ones(config.object_dim))
+            self.object_head = nn.Sequential(
+                nn.Linear(config.history * frame_dim, config.hidden), nn.GELU(),
+                nn.Linear(config.hidden, config.object_dim),
+            )  # fmt: skip
 
     @torch.no_grad()
     def fit_normalizer(
-        self, proprio: torch.Tensor, valid: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor
+        self,
+        proprio: torch.Tensor,
+        valid: torch.Tensor,
+        targets: torch.Tensor,
+        loss_mask: torch.Tensor,
+        object_targets: torch.Tensor | None = None,
     ) -> None:
-        """Normalisation statistics from valid frames and targets only (``std`` floored at 1e-3)."""
+        """Normalisation statistics from valid frames and targets only (``std`` floored at 1e-3); with an
+        auxiliary head also of its targets ``object_targets [B, object_dim]``."""
         frames = proprio[valid]
         self.proprio_mean.copy_(frames.mean(0))
         self.proprio_std.copy_(frames.std(0).clamp_min(1e-3))
         mean, std = masked_target_stats(targets, loss_mask)
         self.target_mean.copy_(mean)
         self.target_std.copy_(std)
+        if self.config.object_dim:
+            require(
+                object_targets is not None, "VisionPolicy.fit_normalizer", "object_targets",
+                f"a [B, {self.config.object_dim}] tensor (the policy has an auxiliary head)", object_targets,
+            )  # fmt: skip
+            self.object_mean.copy_(object_targets.mean(0))
+            self.object_std.copy_(object_targets.std(0).clamp_min(1e-3))
 
     def normalize_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Relative actions ``[B, F, 8]`` -> the network's output space."""
         return (targets - self.target_mean) / self.target_std
+
+    def object_loss(self, features: torch.Tensor, object_targets: torch.Tensor) -> torch.Tensor:
+        """Mean squared error of the auxiliary head on normalised cube positions ``[B, object_dim]``.
+
+        Args:
+            features: The frame features of :meth:`forward_with_features`.
+            object_targets: Cube positions at the anchor frame (:func:`object_positions`).
+        """
+        prediction = self.object_head(features)
+        return (prediction - (object_targets - self.object_mean) / self.object_std).pow(2).mean()
 
     def forward(
         self, images: dict[str, torch.Tensor], proprio: torch.Tensor, mask: torch.Tensor, text: torch.Tensor
@@ -216,6 +271,13 @@ class VisionPolicy(nn.Module):
             mask: ``[B, H]`` bool, True on real frames.
             text: ``[B, text_dim]`` instruction embeddings.
         """
+        return self.forward_with_features(images, proprio, mask, text)[0]
+
+    def forward_with_features(
+        self, images: dict[str, torch.Tensor], proprio: torch.Tensor, mask: torch.Tensor, text: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and the frame features ``[B, H * frame_dim]`` the head read (for
+        :meth:`object_loss`); same arguments."""
         batch, history = mask.shape
         frame_text = text.repeat_interleave(history, dim=0)
         parts = [(proprio - self.proprio_mean) / self.proprio_std]
@@ -226,12 +288,12 @@ class VisionPolicy(nn.Module):
             frames = frames.to(text.dtype) / 255.0 - 0.5
             parts.append(encoder(frames, frame_text).view(batch, history, -1))
         inputs = torch.cat(parts, dim=-1) * mask[..., None]
-        inputs = torch.cat([inputs, mask[..., None].to(text.dtype)], dim=-1).flatten(1)
-        x = torch.cat([inputs, text], dim=-1)
+        features = torch.cat([inputs, mask[..., None].to(text.dtype)], dim=-1).flatten(1)
+        x = torch.cat([features, text], dim=-1)
         film = self.film(text).view(-1, len(self.hidden), 2, self.config.hidden)
         for layer, (linear, norm) in enumerate(zip(self.hidden, self.norms)):
             x = nn.functional.gelu(norm(linear(x)) * (1.0 + film[:, layer, 0]) + film[:, layer, 1])
-        return self.head(x).view(-1, self.config.horizon, ACTION_DIM)
+        return self.head(x).view(-1, self.config.horizon, ACTION_DIM), features
 
     @torch.no_grad()
     def act(
@@ -262,6 +324,9 @@ class VisionBatch:
     """``[B, F]`` bool: targets inside the episode."""
     text: torch.Tensor
     """``[B, text_dim]`` embedding of the episode's task instruction."""
+    object_targets: torch.Tensor | None = None
+    """``[B, 9]`` cube positions at the anchor frame: the auxiliary head's target (never an input); ``None``
+    unless the batch was built with ``objects=True``."""
 
     def __len__(self) -> int:
         return self.proprio.shape[0]
@@ -276,16 +341,23 @@ class VisionBatch:
             images={camera: fn(value) for camera, value in self.images.items()},
             proprio=fn(self.proprio), history_mask=fn(self.history_mask), targets=fn(self.targets),
             loss_mask=fn(self.loss_mask), text=fn(self.text),
+            object_targets=None if self.object_targets is None else fn(self.object_targets),
         )  # fmt: skip
 
 
 def vision_context_batch(
-    batch: TensorDict, history: int, instructions: InstructionTable, cameras: tuple[str, ...]
+    batch: TensorDict,
+    history: int,
+    instructions: InstructionTable,
+    cameras: tuple[str, ...],
+    *,
+    objects: bool = False,
 ) -> VisionBatch:
     """Split a ``[B, H + F - 1]`` context batch into the vision policy's inputs and its chunk targets.
 
-    Reads only :func:`policy_keys` (plus ``valid`` and ``loss_mask``): whatever else the batch holds, the
-    cube poses included, cannot reach the policy.
+    The inputs are built from :func:`policy_keys` only (plus ``valid`` and ``loss_mask``): whatever else the
+    batch holds, the cube poses included, cannot reach the policy. ``objects=True`` also reads the cube
+    positions at the anchor frame into ``object_targets``, the auxiliary head's training target.
     """
     anchor = history - 1
     history_mask = batch["valid"][:, :history]
@@ -301,4 +373,5 @@ def vision_context_batch(
         targets=relative_actions(batch["actions"][:, anchor:], state[:, anchor]),
         loss_mask=batch["loss_mask"][:, anchor:],
         text=instructions.lookup(batch["task_index"][:, anchor]),
+        object_targets=object_positions(batch["obs", "objects"][:, anchor]) if objects else None,
     )
