@@ -196,7 +196,7 @@ def test_the_auxiliary_head_reads_the_cube_poses_as_a_target_never_as_an_input()
     prediction, features = policy.forward_with_features(*changed.inputs())
     assert torch.equal(prediction, output)
     expected = (policy.object_head(features) - (changed.object_targets - 1.0) / 2.0).pow(2).mean()
-    assert torch.allclose(policy.object_loss(features, changed.object_targets), expected)
+    assert torch.allclose(policy.object_loss(policy.object_head(features), changed.object_targets), expected)
 
 
 def test_the_auxiliary_loss_trains_the_camera_encoders():
@@ -204,7 +204,7 @@ def test_the_auxiliary_loss_trains_the_camera_encoders():
     data = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
     policy = _policy(object_dim=OBJECT_DIM)
     _, features = policy.forward_with_features(*data.inputs())
-    policy.object_loss(features, data.object_targets).backward()
+    policy.object_loss(policy.object_head(features), data.object_targets).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.object_head.parameters())
     assert policy.encoders["front"].convs[0].weight.grad.abs().sum() > 0
     assert policy.head.weight.grad is None  # the action head is not part of it
@@ -239,6 +239,35 @@ def test_the_trainer_asks_for_the_cube_poses_only_with_the_auxiliary_head():
 def test_demo_config_gives_the_policy_the_auxiliary_head_with_a_positive_weight():
     assert DemoConfig(vision=True, object_aux_weight=0.0).policy_config.object_dim == 0
     assert DemoConfig(vision=True, object_aux_weight=0.5).policy_config.object_dim == OBJECT_DIM
+
+
+# ------------------------------------------------------------------------------------- training precision
+def test_precision_auto_is_bfloat16_for_a_vision_trainer_on_a_cpu_with_native_bfloat16(monkeypatch):
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert DemoConfig(vision=True).training_dtype == (torch.bfloat16 if native else torch.float32)
+    assert DemoConfig().training_dtype == torch.float32  # the state policy's MLP: float32
+    assert DemoConfig(vision=True, precision="float32").training_dtype == torch.float32
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert DemoConfig(vision=True).training_dtype == torch.float32
+    with pytest.raises(ValueError, match=r"DemoConfig\.precision must be 'float32' or 'auto' on this CPU"):
+        DemoConfig(vision=True, precision="bfloat16")
+
+
+def test_a_bfloat16_training_step_keeps_the_loss_and_the_gradients_in_float32():
+    from simstream.bc.train import _loss
+
+    data = vision_context_batch(_context_batch(torch.Generator().manual_seed(0)), H, _instructions(), CAMERAS,
+                                objects=True)  # fmt: skip
+    policy = _policy(object_dim=OBJECT_DIM)
+    exact = _loss(policy, data, 1.0, torch.autocast("cpu", enabled=False))
+    torch.manual_seed(0)
+    policy.train()
+    fast = _loss(policy, data, 1.0, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert fast.dtype == torch.float32 and torch.isfinite(fast)
+    fast.backward()
+    assert all(p.grad.dtype == torch.float32 for p in policy.parameters() if p.grad is not None)
+    assert policy.encoders["wrist"].convs[0].weight.grad.abs().sum() > 0
+    assert abs(fast.item() - exact.item()) < 0.1 * exact.item()  # bfloat16 rounding, the same loss
 
 
 # ---------------------------------------------------------------------------------------- policy, batch
@@ -310,6 +339,7 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"device": "cuda:99"}, "DemoConfig.device must be an available device"),
         ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
         ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
+        ({"precision": "fp8"}, "DemoConfig.precision must be 'auto', 'float32' or 'bfloat16', got 'fp8'"),
     ],
 )
 def test_demo_config_rejects_bad_vision_settings(kwargs, message):

@@ -213,6 +213,7 @@ def _summary(
         "final_loss": sum(losses) / max(1, len(losses)),
         "train_time_s": log.train_time_s,
         "batch_wait_share": log.batch_wait_share,
+        "training_dtype": str(cfg.training_dtype).removeprefix("torch."),
         "vision": cfg.vision,
         "stream": _stream_summary(log, stats),
         "evals_during_training": log.evals,

@@ -171,6 +171,10 @@ def _strip_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _arithmetic(dtype: str) -> str:
+    return "float32" if dtype == "float32" else f"{dtype} autocast (weights, optimiser and loss in float32)"
+
+
 def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write ``run_dir/report.md`` from the run's summary (the same dict as ``summary.json``)."""
     final, stream, cfg = summary["final_eval"], summary["stream"], summary["config"]
@@ -202,6 +206,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         + (" (stopped by the time limit)" if summary["stopped_early"] else "")
         + " |",
         f"| final loss (smoothed) | {summary['final_loss']:.4f} |",
+        f"| training arithmetic | {_arithmetic(summary.get('training_dtype', 'float32'))} |",
         f"| wall time: total / training / final eval | {summary['total_time_s']:.0f} s / "
         f"{summary['train_time_s']:.0f} s / {summary['eval_time_s']:.0f} s |",
         f"| first generation ready after | {summary['startup_time_s']:.1f} s |",

@@ -208,6 +208,8 @@ def train_policy(
     else:
         prefetcher = BatchPrefetcher(sample)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    dtype = cfg.training_dtype
+    precision = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
     began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
     budget_s = max(deadline - began, 1e-3)
@@ -224,7 +226,7 @@ def train_policy(
             log.batch_wait_s += waited
             if device.type != "cpu":
                 data = data.apply(lambda tensor: tensor.to(device, non_blocking=True))
-            loss = _loss(policy, data, cfg.object_aux_weight)
+            loss = _loss(policy, data, cfg.object_aux_weight, precision)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -269,14 +271,23 @@ def train_policy(
     return log
 
 
-def _loss(policy: ChunkPolicy | VisionPolicy, data: Any, object_aux_weight: float) -> torch.Tensor:
-    """The chunk loss, plus ``object_aux_weight`` times the auxiliary cube-position loss if there is one."""
+def _loss(
+    policy: ChunkPolicy | VisionPolicy, data: Any, object_aux_weight: float, precision: torch.autocast
+) -> torch.Tensor:
+    """The chunk loss, plus ``object_aux_weight`` times the auxiliary cube-position loss if there is one.
+
+    The network runs inside ``precision`` (an autocast context, possibly disabled); the losses are
+    computed in float32 from its outputs.
+    """
     if isinstance(policy, VisionPolicy) and policy.config.object_dim:
-        prediction, features = policy.forward_with_features(*data.inputs())
-        chunk = masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
-        return chunk + object_aux_weight * policy.object_loss(features, data.object_targets)
-    prediction = policy(*data.inputs())
-    return masked_chunk_loss(prediction, policy.normalize_targets(data.targets), data.loss_mask)
+        with precision:
+            prediction, features = policy.forward_with_features(*data.inputs())
+            objects = policy.object_head(features)
+        chunk = masked_chunk_loss(prediction.float(), policy.normalize_targets(data.targets), data.loss_mask)
+        return chunk + object_aux_weight * policy.object_loss(objects.float(), data.object_targets)
+    with precision:
+        prediction = policy(*data.inputs())
+    return masked_chunk_loss(prediction.float(), policy.normalize_targets(data.targets), data.loss_mask)
 
 
 def _check(

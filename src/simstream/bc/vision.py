@@ -176,7 +176,7 @@ class CameraEncoder(nn.Module):
                 scale, shift = self.film(text).chunk(2, dim=-1)
                 x = x * (1.0 + scale[..., None, None]) + shift[..., None, None]
             x = nn.functional.gelu(x)
-        maps = self.keypoint_maps(x)
+        maps = self.keypoint_maps(x).float()  # keypoint coordinates in float32, also under autocast
         n, k, height, width = maps.shape
         attention = (maps.flatten(2) * self.log_temperature.exp()).softmax(-1).view(n, k, height, width)
         ys = torch.linspace(-1.0, 1.0, height, device=maps.device)
@@ -250,14 +250,13 @@ class VisionPolicy(nn.Module):
         """Relative actions ``[B, F, 8]`` -> the network's output space."""
         return (targets - self.target_mean) / self.target_std
 
-    def object_loss(self, features: torch.Tensor, object_targets: torch.Tensor) -> torch.Tensor:
+    def object_loss(self, prediction: torch.Tensor, object_targets: torch.Tensor) -> torch.Tensor:
         """Mean squared error of the auxiliary head on normalised cube positions ``[B, object_dim]``.
 
         Args:
-            features: The frame features of :meth:`forward_with_features`.
+            prediction: ``object_head(features)``, with the frame features of :meth:`forward_with_features`.
             object_targets: Cube positions at the anchor frame (:func:`object_positions`).
         """
-        prediction = self.object_head(features)
         return (prediction - (object_targets - self.object_mean) / self.object_std).pow(2).mean()
 
     def forward(
