@@ -244,11 +244,12 @@ def test_demo_config_gives_the_policy_the_auxiliary_head_with_a_positive_weight(
 # ------------------------------------------------------------------------------------- training precision
 def test_precision_auto_is_bfloat16_for_a_vision_trainer_on_a_cpu_with_native_bfloat16(monkeypatch):
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert DemoConfig(vision=True).training_dtype == (torch.bfloat16 if native else torch.float32)
-    assert DemoConfig().training_dtype == torch.float32  # the state policy's MLP: float32
-    assert DemoConfig(vision=True, precision="float32").training_dtype == torch.float32
+    auto = DemoConfig(vision=True, precision="auto").training_dtype
+    assert auto == (torch.bfloat16 if native else torch.float32)
+    assert DemoConfig(precision="auto").training_dtype == torch.float32  # the state policy's MLP: float32
+    assert DemoConfig(vision=True).training_dtype == torch.float32  # the default
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert DemoConfig(vision=True).training_dtype == torch.float32
+    assert DemoConfig(vision=True, precision="auto").training_dtype == torch.float32
     with pytest.raises(ValueError, match=r"DemoConfig\.precision must be 'float32' or 'auto' on this CPU"):
         DemoConfig(vision=True, precision="bfloat16")
 
@@ -339,7 +340,7 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"device": "cuda:99"}, "DemoConfig.device must be an available device"),
         ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
         ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
-        ({"precision": "fp8"}, "DemoConfig.precision must be 'auto', 'float32' or 'bfloat16', got 'fp8'"),
+        ({"precision": "fp8"}, "DemoConfig.precision must be 'float32', 'bfloat16' or 'auto', got 'fp8'"),
     ],
 )
 def test_demo_config_rejects_bad_vision_settings(kwargs, message):

@@ -101,11 +101,13 @@ class DemoConfig:
     device: str = "cpu"
     """Trainer device: ``cpu``, or ``cuda`` / ``cuda:N`` when one is available (batches are pinned and
     copied with ``non_blocking``); producers always run on the CPU."""
-    precision: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Arithmetic of the training forward and backward passes: ``bfloat16`` autocast (the weights, the
-    optimiser and the loss stay float32) or ``float32``. ``auto``: ``bfloat16`` for a vision trainer on a CPU
-    with native bfloat16 instructions (AVX512-BF16 or AMX; about 1.25x faster steps there), else
-    ``float32``. Evaluation always runs in float32."""
+    precision: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Arithmetic of the training forward and backward passes: ``float32``, or ``bfloat16`` autocast (the
+    weights, the optimiser and the loss stay float32; on a CPU it needs native bfloat16 instructions,
+    AVX512-BF16 or AMX, and made vision steps about 1.25x faster here). ``auto``: ``bfloat16`` for a vision
+    trainer where the CPU has them, else ``float32``. Evaluation always runs in float32. The default stays
+    float32: the one full vision run with bfloat16 did not learn better for its extra steps
+    (``docs/demo.md``)."""
 
     # evaluation
     ensemble_decay: float | None = 0.0
@@ -205,7 +207,7 @@ class DemoConfig:
 
         require(
             self.precision in ("auto", "float32", "bfloat16"), "DemoConfig", "precision",
-            "'auto', 'float32' or 'bfloat16'", self.precision,
+            "'float32', 'bfloat16' or 'auto'", self.precision,
         )  # fmt: skip
         native = self.device != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.precision == "bfloat16":
