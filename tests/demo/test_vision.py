@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -339,6 +340,7 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"device": "tpu"}, "DemoConfig.device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
         ({"device": "cuda:99"}, "DemoConfig.device must be an available device"),
         ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
+        ({"action_noise": 1.0}, "DemoConfig.action_noise must be"),
         ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
         ({"precision": "fp8"}, "DemoConfig.precision must be 'float32', 'bfloat16' or 'auto', got 'fp8'"),
     ],
@@ -371,6 +373,8 @@ def test_vision_policy_config_names_the_bad_field(kwargs, message):
         ({"image_size": 8}, "CameraSourceSpec.image_size must be an int in [16, 512], got 8"),
         ({"cameras": ("front", "nose")}, "CameraSourceSpec.cameras must be a nonempty tuple of distinct"),
         ({"max_episode_steps": 0}, "CameraSourceSpec.max_episode_steps must be an int >= 1, got 0"),
+        ({"action_noise": -0.1}, "CameraSourceSpec.action_noise must be"),
+        ({"action_noise": 0.6}, "CameraSourceSpec.action_noise must be"),
     ],
 )
 def test_camera_source_names_the_bad_field(kwargs, message):
@@ -415,6 +419,48 @@ def test_prefetcher_get_is_bounded():
     finally:
         release.set()
         prefetcher.close()
+
+
+# ------------------------------------------------------------------------ perturbed demonstrations (DART)
+def _executed_and_recorded(action_noise: float, seed: int = 11):
+    from simstream.bc.camera_source import CameraEpisodeSource
+
+    spec = CameraSourceSpec("pick_place", ("front",), image_size=S, max_episode_steps=120,
+                            action_noise=action_noise)  # fmt: skip
+    source = CameraEpisodeSource(spec, worker_index=0, seed=0)
+    executed, step = [], source.env.step
+
+    def spy(action):
+        executed.append(action.copy())
+        return step(action)
+
+    source.env.step = spy
+    try:
+        episode = source.record(seed)
+    finally:
+        source.env.close()
+    recorded = source._buffers["actions"][: episode.length].copy()
+    states = source._buffers["obs/state"][: episode.length].copy()
+    return torch.from_numpy(np.stack(executed)), torch.from_numpy(recorded), torch.from_numpy(states)
+
+
+def test_action_noise_perturbs_what_the_robot_executes_and_records_the_experts_command():
+    executed, recorded, _ = _executed_and_recorded(0.03)
+    difference = executed - recorded
+    assert torch.equal(difference[:, 7], torch.zeros(len(difference)))  # the gripper is not perturbed
+    noise = difference[:, :7]
+    assert abs(noise.std().item() - 0.03) < 0.005 and abs(noise.mean().item()) < 0.005
+    # the same seed gives the same noise: the perturbed episode is reproducible
+    again, recorded_again, _ = _executed_and_recorded(0.03)
+    assert torch.equal(again, executed) and torch.equal(recorded_again, recorded)
+
+
+def test_without_action_noise_the_robot_executes_the_recorded_command():
+    executed, recorded, states = _executed_and_recorded(0.0)
+    assert torch.equal(executed, recorded)
+    _, _, perturbed_states = _executed_and_recorded(0.03)
+    length = min(len(states), len(perturbed_states))
+    assert not torch.equal(states[:length], perturbed_states[:length])  # the noise moved the robot
 
 
 # ----------------------------------------------------------------------------- through the real engine

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from .._validation import require, require_int
+from .._validation import require, require_int, require_number
 from ..sources import Episode, Field
+from .policy import NUM_JOINTS
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -38,6 +39,12 @@ class CameraSourceSpec:
     Cheap and picklable; MuJoCo starts in :meth:`build`, inside the producer. Payload fields: ``obs/state``
     float32 [23], ``obs/objects`` float32 [21], ``actions`` float32 [8], ``rewards`` float32 and one
     ``obs/images/<camera>`` uint8 [3, image_size, image_size] per camera.
+
+    ``action_noise > 0`` perturbs the robot as in DART (Laskey et al., 2017): the env executes the expert's
+    joint targets plus Gaussian noise of that standard deviation (radians, drawn afresh each step from the
+    episode's seed), while ``actions`` records the expert's own command. The stream then shows the expert
+    correcting perturbed states and, now and then, retrying a missed grasp: situations a policy meets
+    when its own small errors add up, which an unperturbed expert never shows it.
     """
 
     task: str = "pick_place"
@@ -45,6 +52,7 @@ class CameraSourceSpec:
     image_size: int = 64
     num_envs: int = 1
     max_episode_steps: int = 200
+    action_noise: float = 0.0
 
     fps: ClassVar[int] = 20
     action_semantics: ClassVar[str] = "expert_controller_command"
@@ -62,6 +70,7 @@ class CameraSourceSpec:
         require_int("CameraSourceSpec", "image_size", self.image_size, 16, 512)
         require_int("CameraSourceSpec", "num_envs", self.num_envs, 1)
         require_int("CameraSourceSpec", "max_episode_steps", self.max_episode_steps, 1)
+        require_number("CameraSourceSpec", "action_noise", self.action_noise, 0, 0.5)
 
     def fields(self) -> dict[str, Field]:
         """Payload names and per-frame layouts."""
@@ -106,6 +115,8 @@ class CameraEpisodeSource:
         obs = env.reset(seed)
         self.expert.reset()
         phases, success = [], False
+        noise = self.spec.action_noise
+        rng = np.random.default_rng(seed) if noise > 0 else None
         for t in range(env.max_episode_steps):
             if should_stop is not None and should_stop():
                 return None
@@ -115,6 +126,9 @@ class CameraEpisodeSource:
                 buffers[image_key(camera)][t] = env.scene.render(camera, self._size)
             buffers["actions"][t] = action
             phases.append(self.expert.phase)
+            if rng is not None:  # executed, not recorded: the stream keeps the expert's own command
+                action = action.copy()
+                action[:NUM_JOINTS] += rng.normal(0.0, noise, NUM_JOINTS).astype(np.float32)
             obs, reward, success, truncated, _ = env.step(action)
             buffers["rewards"][t] = reward
             if success or truncated:

@@ -119,7 +119,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = Path(cfg.runs_dir) / name
     if cfg.vision:
         source = CameraSourceSpec(
-            cfg.task, cfg.cameras, cfg.image_size, max_episode_steps=cfg.max_episode_steps
+            cfg.task,
+            cfg.cameras,
+            cfg.image_size,
+            max_episode_steps=cfg.max_episode_steps,
+            action_noise=cfg.action_noise,
         )
     else:
         source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
