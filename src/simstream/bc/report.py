@@ -195,6 +195,13 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             "input."
             if summary.get("vision") and cfg.get("object_aux_weight")
             else ""
+        )
+        + (
+            " The producers executed the expert's joint targets plus Gaussian noise "
+            f"({cfg['action_noise']:g} rad) and recorded its own command (DART), so the stream shows "
+            "corrections and retried grasps."
+            if summary.get("vision") and cfg.get("action_noise")
+            else ""
         ),
         "",
         "| result | value |",
