@@ -288,11 +288,9 @@ VISION_OVERRIDES: dict[str, object] = {
     "eval_every": 4000,
     "time_limit_s": 1440.0,
     "object_aux_weight": 1.0,
-    "action_noise": 0.03,
 }
 """What ``--vision`` changes besides ``vision=True``: the conv trainer, not the producers, is the bottleneck
 on 2 cores, so one producer renders while the trainer takes the other core; smaller batches, more steps, a
 time limit that leaves the final evaluation inside 30 minutes, the auxiliary cube-position loss (a
-training target only, see :class:`simstream.bc.VisionPolicy`) and perturbed expert demonstrations
-(``action_noise``: at 0.03 rad the expert still succeeds in about 87% of episodes, and about one in five
-holds a retried grasp)."""
+training target only, see :class:`simstream.bc.VisionPolicy`). Perturbed demonstrations
+(``action_noise``) stay opt-in: their full run learned faster early but ended lower (``docs/demo.md``)."""
