@@ -137,7 +137,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         refill_threshold=cfg.refill_threshold, seed=cfg.seed, backend=cfg.engine_backend,
         # a perturbed expert fails now and then (about 13% of episodes at 0.03 rad); a window is published
         # only when its episode succeeds, so give each window more attempts than the default 3
-        max_generation_attempts=NOISY_EXPERT_ATTEMPTS if cfg.vision and cfg.action_noise > 0 else 3,
+        max_generation_attempts=NOISY_EXPERT_ATTEMPTS if cfg.vision and cfg.action_noise > 0
+        else OnlineDataEngineCfg.max_generation_attempts,
     )  # fmt: skip
     engine_cfg.validate()  # a bad setting fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ __all__ = [
     "ChunkPolicy",
     "PolicyConfig",
     "absolute_actions",
+    "cube_positions",
     "masked_chunk_loss",
     "observation_features",
     "relative_actions",
@@ -33,6 +34,11 @@ _NUM_CUBES = OBJECTS_DIM // 7
 _ROBOT_DIM = len(_KEPT_STATE)
 FEATURE_DIM = _ROBOT_DIM + OBJECTS_DIM + 3 * _NUM_CUBES
 _SLOT_DIM = 7 + 3
+
+
+def cube_positions(objects: torch.Tensor) -> torch.Tensor:
+    """``obs/objects [..., 21]`` (position and quaternion per cube) -> cube positions ``[..., 3, 3]``."""
+    return objects.unflatten(-1, (_NUM_CUBES, 7))[..., :3]
 
 
 def observation_features(state: torch.Tensor, objects: torch.Tensor) -> torch.Tensor:
@@ -52,8 +58,7 @@ def observation_features(state: torch.Tensor, objects: torch.Tensor) -> torch.Te
     Returns:
         ``[..., 46]`` float32: joint positions, fingers, TCP pose, cube poses, cube offsets.
     """
-    cubes = objects.unflatten(-1, (_NUM_CUBES, 7))[..., :3]
-    offsets = (cubes - state[..., None, _TCP]).flatten(-2)
+    offsets = (cube_positions(objects) - state[..., None, _TCP]).flatten(-2)
     return torch.cat([state[..., _KEPT_STATE], objects, offsets], dim=-1)
 
 

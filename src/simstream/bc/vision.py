@@ -31,9 +31,11 @@ from .._validation import require, require_int
 from .camera_source import image_key
 from .policy import (
     _KEPT_STATE,
+    _NUM_CUBES,
     ACTION_DIM,
     NUM_JOINTS,
     absolute_actions,
+    cube_positions,
     masked_target_stats,
     relative_actions,
 )
@@ -65,13 +67,13 @@ def proprio_features(state: torch.Tensor) -> torch.Tensor:
     return state[..., _KEPT_STATE]
 
 
-OBJECT_DIM = 9
-"""Auxiliary target: the position (3) of each of the three cubes, in ``obs/objects`` order."""
+OBJECT_DIM = 3 * _NUM_CUBES
+"""Auxiliary target: the position (3) of each of the three cubes, in ``obs/objects`` order (9 values)."""
 
 
 def object_positions(objects: torch.Tensor) -> torch.Tensor:
     """``obs/objects [..., 21]`` (position and quaternion per cube) -> cube positions ``[..., 9]``."""
-    return objects.unflatten(-1, (-1, 7))[..., :3].flatten(-2)
+    return cube_positions(objects).flatten(-2)
 
 
 def policy_keys(cameras: tuple[str, ...]) -> list[str]:
