@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import pickle
-from multiprocessing.reduction import ForkingPickler
+import multiprocessing as mp
 
 import pytest
 import torch
 
 from simstream.buffer.gate import RecordGate
+
+_BOUND_S = 30.0
 
 
 def _ids(*values: int) -> torch.Tensor:
@@ -50,17 +51,56 @@ def test_wait_mode_runs_the_check_until_the_rows_are_recorded():
     gate.before_claim(1, 2, published, give_up)  # row 1 is recorded: no wait, no check
 
 
-def test_a_copy_in_another_process_follows_the_shared_mode():
-    """Pickled as into a producer, the gate reads the owner's mode: attach and detach reach its claims."""
-    gate = RecordGate(1)
-    copy = pickle.loads(ForkingPickler.dumps(gate))  # shares the tensors' memory, as a child process does
+def _claim_in_child(gate: RecordGate, go, done) -> None:
+    """A producer's side: one claim of row 0 (episode 9 published there) per ``go``, then a publication."""
     published = _ids(9)
-    copy.before_claim(0, 1, published)  # off
-    gate.attach("skip")
-    copy.before_claim(0, 1, published)
-    assert gate.skipped.tolist() == [1]  # counted through the shared tensor
-    gate.detach()
-    copy.before_claim(0, 1, published)
-    assert gate.skipped.tolist() == [1]
+    for _ in range(3):
+        if not go.wait(60):
+            return
+        go.clear()
+        gate.before_claim(0, 1, published)
+        gate.after_publish()
+        done.set()
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_copy_in_another_process_follows_the_shared_mode(method):
+    """Pickled into a producer process, the gate reads the owner's mode: attach and detach reach its claims,
+    and its publications wake the owner's recorder only while one is attached."""
+    ctx = mp.get_context(method)
+    gate, go, done = RecordGate(1), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_claim_in_child, args=(gate, go, done))
+    child.start()
+    try:
+
+        def claim() -> None:
+            done.clear()
+            go.set()
+            assert done.wait(_BOUND_S)
+
+        claim()  # off: nothing counted, and no recorder to wake
+        assert gate.skipped.tolist() == [0]
+        assert not gate.wait_for_publication(0.0)
+        gate.attach("skip")
+        claim()
+        assert gate.skipped.tolist() == [1]  # counted through the shared tensor
+        assert gate.wait_for_publication(600.0)  # far past the test's bound: only the ring ends it in time
+        gate.detach()
+        claim()
+        assert gate.skipped.tolist() == [1]
+        assert not gate.wait_for_publication(0.0)
+    finally:
+        child.join(_BOUND_S)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def test_wake_ends_the_recorders_wait():
+    gate = RecordGate(1)
+    gate.wake()
+    assert gate.wait_for_publication(600.0)
+    assert not gate.wait_for_publication(0.0), "rings are consumed by the wake-up"
+    gate = RecordGate(1)
     with pytest.raises(ValueError, match="RecordGate mode must be 'wait' or 'skip', got 'off'"):
         gate.attach("off")

@@ -11,14 +11,20 @@ is attached in ``"wait"`` mode, waits until every row about to be claimed is rec
 ``skipped``. The wait is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a
 producer's stop check raises once the engine closes or its owner is gone); a recorder that detaches (closes,
 or its thread fails) sets the mode back to off, which ends every wait.
+
+While a recorder is attached, every publication rings the gate's doorbell (:meth:`after_publish`), so the
+recorder sleeps until there is something to copy instead of polling the index.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from .._sync import Doorbell
 
 __all__ = ["RecordGate"]
 
@@ -29,11 +35,13 @@ _MODES = {"off": _OFF, "wait": _WAIT, "skip": _SKIP}
 class RecordGate:
     """Per-row "recorded up to episode id" in shared memory, and the recorder's mode.
 
-    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64) and ``mode`` (one int64). Allocated by the
-    engine's owner and pickled into producers with the rest of the shared state.
+    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64), ``mode`` (one int64) and the publication
+    doorbell (a semaphore). Allocated by the engine's owner and pickled into producers with the rest of the
+    shared state.
     """
 
-    def __init__(self, buffer_size: int) -> None:
+    def __init__(self, buffer_size: int, ctx: Any = None) -> None:
+        self._published = Doorbell(ctx)
         self.recorded = torch.full((buffer_size,), -1, dtype=torch.int64).share_memory_()
         self.skipped = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
         self.mode = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -71,6 +79,22 @@ class RecordGate:
     def mark_recorded(self, row: int, episode_id: int) -> None:
         """The recorder copied ``episode_id`` out of ``row``: the row may be claimed again."""
         self.recorded[row] = episode_id
+
+    def after_publish(self) -> None:
+        """In a producer, after it published rows: wake an attached recorder. Never blocks."""
+        if int(self._mode_view[0]) != _OFF:
+            self._published.ring()
+
+    def wait_for_publication(self, timeout: float) -> bool:
+        """In the recorder: sleep until a publication (or :meth:`wake`) or ``timeout`` seconds pass.
+
+        Returns ``True`` when woken; callers look at the index again either way.
+        """
+        return self._published.wait(timeout)
+
+    def wake(self) -> None:
+        """End the recorder's :meth:`wait_for_publication` now (it is closing)."""
+        self._published.ring()
 
     def total_skipped(self) -> int:
         return int(self.skipped.sum())

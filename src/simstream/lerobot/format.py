@@ -220,12 +220,14 @@ def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
         "mean": mean,
         "std": np.sqrt(variance),
     }
-    for q in QUANTILES:
-        position = (size - 1) * q
-        below, fraction = int(np.floor(position)), position - np.floor(position)
-        low = np.array([np.searchsorted(c, below, side="right") for c in cumulative], dtype=np.float64)
-        high = np.array([np.searchsorted(c, min(below + 1, size - 1), side="right") for c in cumulative])
-        stats[f"q{round(q * 100):02d}"] = low + fraction * (high - low)
+    positions = (size - 1) * np.asarray(QUANTILES)
+    below = np.floor(positions)
+    targets = np.concatenate([below, np.minimum(below + 1, size - 1)])
+    # the k-th smallest value is the first level whose cumulative count exceeds k
+    levels_at = np.stack([np.searchsorted(c, targets, side="right") for c in cumulative]).astype(np.float64)
+    low, high = levels_at[:, : len(QUANTILES)], levels_at[:, len(QUANTILES) :]
+    for k, q in enumerate(QUANTILES):
+        stats[f"q{round(q * 100):02d}"] = low[:, k] + (positions[k] - below[k]) * (high[:, k] - low[:, k])
     stats = {name: (value / 255.0).reshape(shape) for name, value in stats.items()}
     stats["count"] = np.array([len(frames)], dtype=np.int64)
     return stats
@@ -243,23 +245,24 @@ def aggregate_stats(per_episode: list[dict[str, np.ndarray]]) -> dict[str, np.nd
     counts = np.array([float(s["count"][0]) for s in per_episode])
     weights = counts / counts.sum()
 
-    def weighted(name: str) -> np.ndarray:
-        return sum(w * np.asarray(s[name], dtype=np.float64) for w, s in zip(weights, per_episode))
+    def stacked(name: str) -> np.ndarray:
+        return np.stack([np.asarray(s[name], dtype=np.float64) for s in per_episode])
 
-    mean = weighted("mean")
-    variance = sum(
-        w * (np.asarray(s["std"]) ** 2 + (np.asarray(s["mean"]) - mean) ** 2)
-        for w, s in zip(weights, per_episode)
-    )
+    def weighted(values: np.ndarray) -> np.ndarray:  # over the first axis, by the episodes' weights
+        return np.tensordot(weights, values, axes=1)
+
+    means = stacked("mean")
+    mean = weighted(means)
+    variance = weighted(stacked("std") ** 2 + (means - mean) ** 2)
     out = {
-        "min": np.min([s["min"] for s in per_episode], axis=0),
-        "max": np.max([s["max"] for s in per_episode], axis=0),
+        "min": stacked("min").min(0),
+        "max": stacked("max").max(0),
         "mean": mean,
         "std": np.sqrt(variance),
         "count": np.array([int(counts.sum())], dtype=np.int64),
     }
     for name in STAT_NAMES[5:]:
-        out[name] = weighted(name)
+        out[name] = weighted(stacked(name))
     return out
 
 

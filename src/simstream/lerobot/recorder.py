@@ -2,8 +2,9 @@
 
 The recorder is a thread in the process that owns the engine. It reads published rows the way a sampler
 does (note the row's even seqlock version, copy, check the version again) but never inside
-``sample_batch``: it polls the eligibility index for rows whose published episode id is newer than what it
-recorded, copies them, and marks them recorded in the engine's :class:`~simstream.buffer.gate.RecordGate`.
+``sample_batch``: woken by each publication (the doorbell of the engine's
+:class:`~simstream.buffer.gate.RecordGate`), it looks in the eligibility index for rows whose published
+episode id is newer than what it recorded, copies them, and marks them recorded in the gate.
 A producer that wants to overwrite a row it has not recorded yet waits (``on_full="wait"``, the default)
 or overwrites it and counts it as skipped (``on_full="skip"``); nothing is dropped silently.
 
@@ -21,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,10 @@ __all__ = ["LeRobotRecorder"]
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.01
-"""Idle poll of the index: a producer waits at most about this long for a copy."""
+"""Slice of the copy thread's waits for the writer thread's queue."""
+_IDLE_WAIT_S = 0.05
+"""Longest sleep of the copy thread between looks at the index: every publication wakes it sooner (the
+record gate's doorbell); this bounds how late it notices a failed engine, ``close()`` or a due flush."""
 _GROUPS_IN_FLIGHT = 2
 """Groups copied but not yet written that the copy thread may run ahead of the writer thread."""
 _DONE = None
@@ -130,6 +135,8 @@ class LeRobotRecorder:
         self._error: BaseException | None = None
         self._stopped = False
         self._flushed = threading.Condition()
+        self._row_views: _RowViews | None = None
+        self._texts: dict[tuple[str, int], str] = {}
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -183,6 +190,7 @@ class LeRobotRecorder:
         if self._thread is not None:
             deadline = time.monotonic() + timeout_s
             self._stop.set()
+            self._shared.record_gate.wake()
             for thread in (self._thread, self._writer_thread):
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
@@ -220,7 +228,7 @@ class LeRobotRecorder:
                     if self._shared.channel.error() is not None:  # the engine failed: keep what was copied
                         self._hand_off()
                         return
-                    self._stop.wait(_POLL_S)
+                    self._shared.record_gate.wait_for_publication(_IDLE_WAIT_S)
         except BaseException as error:  # surfaced by check() / close()
             self._fail(error)
         finally:
@@ -270,21 +278,28 @@ class LeRobotRecorder:
         with self._flushed:
             self._flushed.notify_all()
 
+    def _views(self) -> _RowViews:
+        """NumPy views of what the copy thread reads, built once: a tensor read or ``numpy()`` call costs
+        microseconds, and the thread looks at the index about a hundred times a second."""
+        if self._row_views is None:
+            self._row_views = _RowViews.of(self._shared, self.features)
+        return self._row_views
+
     def _copy_published(self) -> int:
-        index, gate = self._shared.index, self._shared.record_gate
-        ids = index.episode_id.numpy()
-        pending = np.flatnonzero((ids >= 0) & (ids > gate.recorded.numpy()))
+        views = self._views()
+        ids = views.episode_id
+        pending = np.flatnonzero((ids >= 0) & (ids > views.recorded))
         if not len(pending):
             return 0
         copied = 0
         for row in pending[np.argsort(ids[pending], kind="stable")]:
             if self.done:
                 break
-            record = self._copy_row(int(row))
+            record = self._copy_row(views, int(row))
             if record is None:
                 continue
             episode_id, episode = record
-            gate.mark_recorded(int(row), episode_id)
+            self._shared.record_gate.mark_recorded(int(row), episode_id)
             copied += 1
             if self.only_success and not episode.success:
                 self.episodes_filtered += 1
@@ -293,26 +308,24 @@ class LeRobotRecorder:
             self.episodes_recorded += 1
         return copied
 
-    def _copy_row(self, row: int) -> tuple[int, EpisodeRecord] | None:
+    def _copy_row(self, views: _RowViews, row: int) -> tuple[int, EpisodeRecord] | None:
         """Copy one published row under its seqlock; ``None`` when it changed meanwhile (skip mode)."""
-        storage, index, language = self._shared.storage, self._shared.index, self._shared.language
-        version = int(index.version[row])
-        episode_id = int(index.episode_id[row])
+        version = int(views.version[row])
+        episode_id = int(views.episode_id[row])
         if version & 1 or episode_id < 0:
             return None
-        length = int(index.valid_frames[row])
-        view = storage.rows_view(row, row + 1, payload_only=True)
-        frames = {f.field: view[tuple(f.field.split("/"))][0, :length].numpy().copy() for f in self.features}
-        meta = {name: storage.metadata(name)[row, :length].numpy().copy() for name in _METADATA}
-        if int(index.version[row]) != version or int(index.episode_id[row]) != episode_id:
+        length = int(views.valid_frames[row])
+        frames = {name: array[row, :length].copy() for name, array in views.payload.items()}
+        meta = {name: array[row, :length].copy() for name, array in views.metadata.items()}
+        if int(views.version[row]) != version or int(views.episode_id[row]) != episode_id:
             return None
         if not length:
             return None
-        task = language.resolve(torch_scalar(meta["task_index"][0]), kind="task")
+        task = self._text(int(meta["task_index"][0]), "task")
         subtask_ids = meta["subtask_index"]
-        texts = {int(i): language.resolve(torch_scalar(i), kind="subtask") for i in np.unique(subtask_ids)}
+        texts = {int(i): self._text(int(i), "subtask") for i in np.unique(subtask_ids)}
         segment_id = meta["segment_id"]
-        count = int(segment_id.max()) + 1 if length else 0
+        count = int(segment_id.max()) + 1
         accepted = [True] * count
         for k in range(count):
             hits = np.flatnonzero(segment_id == k)
@@ -322,7 +335,7 @@ class LeRobotRecorder:
         episode = EpisodeRecord(
             frames=frames,
             task=task,
-            subtasks=[texts[int(i)] for i in subtask_ids],
+            subtasks=[texts[i] for i in subtask_ids.tolist()],
             segment_id=segment_id,
             segment_accepted=accepted,
             success=not truncated,
@@ -331,8 +344,37 @@ class LeRobotRecorder:
         )
         return episode_id, episode
 
+    def _text(self, index: int, kind: str) -> str:
+        """The language text of ``index`` (cached: an index names the same text for the engine's life)."""
+        known = self._texts.get((kind, index))
+        if known is None:
+            import torch
 
-def torch_scalar(value: Any):
-    import torch
+            known = self._texts[(kind, index)] = self._shared.language.resolve(torch.tensor(index), kind=kind)
+        return known
 
-    return torch.tensor(int(value))
+
+@dataclass(frozen=True)
+class _RowViews:
+    """NumPy views of the shared index, record gate, payload fields and metadata the copy thread reads
+    (``[buffer_size]`` for the index and gate, ``[buffer_size, T, ...]`` for frames)."""
+
+    version: np.ndarray
+    episode_id: np.ndarray
+    valid_frames: np.ndarray
+    recorded: np.ndarray
+    payload: dict[str, np.ndarray]
+    metadata: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, shared: Any, features: list[Any]) -> _RowViews:
+        storage, index = shared.storage, shared.index
+        rows = storage.rows_view(payload_only=True)
+        return cls(
+            version=index.version.numpy(),
+            episode_id=index.episode_id.numpy(),
+            valid_frames=index.valid_frames.numpy(),
+            recorded=shared.record_gate.recorded.numpy(),
+            payload={f.field: rows[tuple(f.field.split("/"))].numpy() for f in features},
+            metadata={name: storage.metadata_array(name) for name in _METADATA},
+        )

@@ -354,11 +354,16 @@ def _rgb_frames(frames: np.ndarray):
 
     frames = np.ascontiguousarray(frames)
     n, _, height, width = frames.shape
+    planar = None  # whether FFmpeg's planes are unpadded rows (the same for every frame of one size)
     for k in range(n):
         image = av.VideoFrame(width, height, "gbrp")
-        if all(plane.line_size == width for plane in image.planes):
-            for plane, channel in zip(image.planes, (1, 2, 0)):
-                plane.update(frames[k, channel])
+        if planar is None:
+            planar = all(plane.line_size == width for plane in image.planes)
+        if planar:
+            green, blue, red = image.planes
+            green.update(frames[k, 1])
+            blue.update(frames[k, 2])
+            red.update(frames[k, 0])
         else:  # rows padded for alignment: let PyAV copy row by row
             image = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[k].transpose(1, 2, 0)), "rgb24")
         yield image
