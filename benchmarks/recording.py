@@ -11,6 +11,9 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
    fill every core: producer / (producer + recorder).
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting,
    with ``demo --record``'s groups of 8 episodes), without and with the recorder: batches/s. Target: >= 0.90.
+
+Each ratio is the median over rounds of with / without in the same interleaved round (each round's
+ratio is printed too); the rates are medians over rounds.
 3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 """
 
@@ -126,6 +129,16 @@ def replay(root: Path, args: Args) -> float:
     return production(LeRobotSpec(root), args, None)["episodes_per_s"]
 
 
+def _pair_ratios(plain: list[dict], recorded: list[dict], key: str) -> list[float]:
+    """with / without per interleaved round: a round and the one before it share the machine's state, so
+    their ratio is steadier than the ratio of medians taken over the whole run."""
+    return [with_[key] / without[key] for without, with_ in zip(plain, recorded)]
+
+
+def _spread(ratios: list[float]) -> str:
+    return ", ".join(f"{r:.3f}" for r in sorted(ratios))
+
+
 def run(args: Args) -> int:
     """Run every measurement and print its table (``simstream bench recording``)."""
     from simstream.tasks import make_source
@@ -155,6 +168,7 @@ def run(args: Args) -> int:
                 return statistics.median(result[key] for result in results)
 
             a, b = median(plain, "episodes_per_s"), median(recorded, "episodes_per_s")
+            pairs = _pair_ratios(plain, recorded, "episodes_per_s")
             producer_ms = 1e3 * median(plain, "producer_cpu_per_episode_s")
             recorder_ms = 1e3 * (
                 median(recorded, "owner_cpu_per_episode_s") - median(plain, "owner_cpu_per_episode_s")
@@ -162,16 +176,17 @@ def run(args: Args) -> int:
             # with every core busy producing, each CPU second the recorder takes is one the producers lose
             ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
             size = median(recorded, "bytes_per_episode")
-            rows.append((name, a, b, b / a, size, producer_ms, recorder_ms, ceiling))
+            rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling))
         print(
-            "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) | bytes/ep "
-            "| producer CPU ms/ep | recorder CPU ms/ep | CPU ceiling of the ratio |"
+            "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) "
+            "| rounds' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
+            "| CPU ceiling of the ratio |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for name, a, b, r, size, producer_ms, recorder_ms, ceiling in rows:
+        print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+        for name, a, b, pairs, size, producer_ms, recorder_ms, ceiling in rows:
             print(
-                f"| {name} | {a:.2f} | {b:.2f} | {r:.3f} | {size:,.0f} | {producer_ms:.1f} "
-                f"| {recorder_ms:.2f} | {ceiling:.3f} |"
+                f"| {name} | {a:.2f} | {b:.2f} | {statistics.median(pairs):.3f} | {_spread(pairs)} "
+                f"| {size:,.0f} | {producer_ms:.1f} | {recorder_ms:.2f} | {ceiling:.3f} |"
             )
 
         plain, recorded = [], []
@@ -180,10 +195,19 @@ def run(args: Args) -> int:
             recorded.append(sampling(sources["low-dim"], args, scratch / f"sampling-{k}"))
         a, b = (statistics.median(r[0] for r in rates) for rates in (plain, recorded))
         ea, eb = (statistics.median(r[1] for r in rates) for rates in (plain, recorded))
-        print("\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) |")
-        print("|---|---:|---:|---:|")
-        print(f"| low-dim pick_place | {a:.1f} | {b:.1f} | {b / a:.3f} |")
-        print(f"| (fresh episodes/s meanwhile) | {ea:.2f} | {eb:.2f} | {eb / ea:.3f} |")
+        pairs = [with_ / without for (with_, _), (without, _) in zip(recorded, plain)]
+        fresh = [with_ / without for (_, with_), (_, without) in zip(recorded, plain)]
+        print(
+            "\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) "
+            "| rounds' ratios |"
+        )
+        print("|---|---:|---:|---:|---|")
+        ratio = statistics.median(pairs)
+        print(f"| low-dim pick_place | {a:.1f} | {b:.1f} | {ratio:.3f} | {_spread(pairs)} |")
+        print(
+            f"| (fresh episodes/s meanwhile) | {ea:.2f} | {eb:.2f} | {statistics.median(fresh):.3f} "
+            f"| {_spread(fresh)} |"
+        )
 
         print("\n| replay (LeRobotSpec, 2 producers) | episodes/s |")
         print("|---|---:|")
