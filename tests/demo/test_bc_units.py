@@ -236,6 +236,8 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
         ({"weight_decay": -1.0}, "DemoConfig.weight_decay must be a finite number >= 0, got -1.0"),
         ({"time_limit_s": True}, "DemoConfig.time_limit_s must be a finite number > 0, got True"),
         ({"buffer_size": 1, "num_workers": 2}, "DemoConfig.buffer_size must be >= num_workers (2), got 1"),
+        ({"idle_threads": -1}, "DemoConfig.idle_threads must be an int in [0, 256], got -1"),
+        ({"idle_threads": 257}, "DemoConfig.idle_threads must be an int in [0, 256], got 257"),
         (
             {"ensemble_decay": float("nan")},
             "RolloutConfig.ensemble_decay must be None or a finite number >= 0, got nan",
@@ -250,3 +252,29 @@ def test_demo_config_rejects_bad_values(kwargs, message):
 def test_quick_preset_keeps_other_settings():
     quick = DemoConfig(seed=3).with_quick()
     assert quick.quick and quick.seed == 3 and quick.steps < DemoConfig().steps
+
+
+def test_trainer_threads_take_the_cores_only_while_the_producers_are_idle():
+    """Between generations the trainer uses ``idle_threads``; from a refill request until the generation is
+    complete, ``num_threads`` (the producer stalls in its second generation, so the refill stays
+    outstanding)."""
+    from simstream import OnlineDataEngine
+    from simstream.bc.train import _TrainerThreads
+    from tests.support.engines import make_cfg
+    from tests.support.sources import ScriptedSpec
+
+    before = torch.get_num_threads()
+    spec = ScriptedSpec(fault="stall", fault_after=2)  # 4 rows of 2 envs: the first generation is 2 rollouts
+    engine = OnlineDataEngine(make_cfg(spec, num_workers=1, refill_policy="manual"))
+    try:
+        with engine:
+            unchanged = _TrainerThreads(engine, busy=1, idle=0)
+            assert unchanged.update() is False and torch.get_num_threads() == 1
+            threads = _TrainerThreads(engine, busy=1, idle=2)
+            assert torch.get_num_threads() == 1
+            assert threads.update() is True and torch.get_num_threads() == 2
+            engine.request_refill()
+            assert threads.update() is False and torch.get_num_threads() == 1
+            assert unchanged.update() is False and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -77,6 +77,10 @@ class DemoConfig:
     num_threads: int = 1
     """Torch threads of the trainer. Keep 1 when producers share the cores: measured on 2 cores with 2
     producers, 1 thread trained at 34.5 steps/s, 2 threads at 2.7 steps/s (they wait for a core)."""
+    idle_threads: int = 0
+    """Torch threads of the trainer while the producers are idle (their generation is complete and no
+    refill is outstanding); 0: always ``num_threads``. With ``refill_threshold`` > 0 the producers work in
+    bursts, and between them the trainer can use their cores as well. In [0, 256]."""
     time_limit_s: float = 720.0
     """Stop training early once this many seconds have passed since the start (keeps the demo bounded
     on slow machines); the summary records whether it happened."""
@@ -139,6 +143,7 @@ class DemoConfig:
         require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
+        require_int("DemoConfig", "idle_threads", self.idle_threads, 0, 256)
         require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
         self.engine_backend  # noqa: B018  (validates backend and ray_address)
         for name in ("lr", "time_limit_s"):
@@ -274,6 +279,7 @@ QUICK_OVERRIDES: dict[str, object] = {
 
 QUICK_VISION_OVERRIDES: dict[str, object] = {
     "buffer_size": 8,
+    "refill_threshold": 16,
     "steps": 60,
     "batch_size": 32,
     "eval_every": 30,
@@ -288,9 +294,13 @@ VISION_OVERRIDES: dict[str, object] = {
     "eval_every": 4000,
     "time_limit_s": 1440.0,
     "object_aux_weight": 1.0,
+    "refill_threshold": 800,
+    "idle_threads": 2,
 }
 """What ``--vision`` changes besides ``vision=True``: the conv trainer, not the producers, is the bottleneck
 on 2 cores, so one producer renders while the trainer takes the other core; smaller batches, more steps, a
 time limit that leaves the final evaluation inside 30 minutes, the auxiliary cube-position loss (a
-training target only, see :class:`simstream.bc.VisionPolicy`). Perturbed demonstrations
-(``action_noise``) stay opt-in: their full run learned faster early but ended lower (``docs/demo.md``)."""
+training target only, see :class:`simstream.bc.VisionPolicy`). The producer works in bursts: a new
+generation after 800 buffers' worth of contexts (1,600 steps), and between generations the trainer takes
+both cores (``idle_threads``). Perturbed demonstrations (``action_noise``) stay opt-in: their full run
+learned faster early but ended lower (``docs/demo.md``)."""

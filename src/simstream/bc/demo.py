@@ -225,6 +225,7 @@ def _summary(
         "final_loss": sum(losses) / max(1, len(losses)),
         "train_time_s": log.train_time_s,
         "batch_wait_share": log.batch_wait_share,
+        "idle_thread_steps": log.idle_thread_steps,
         "training_dtype": str(cfg.training_dtype).removeprefix("torch."),
         "vision": cfg.vision,
         "stream": _stream_summary(log, stats),

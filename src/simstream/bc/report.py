@@ -171,6 +171,17 @@ def _strip_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _thread_rows(summary: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """How many steps used the producers' cores too (``idle_threads``); nothing when it was off."""
+    if not cfg.get("idle_threads"):
+        return []
+    steps = summary.get("idle_thread_steps", 0)
+    return [
+        f"| trainer threads: while producing / between generations | {cfg['num_threads']} / "
+        f"{cfg['idle_threads']} ({steps} of {summary['steps_done']} steps between generations) |"
+    ]
+
+
 def _arithmetic(dtype: str) -> str:
     return "float32" if dtype == "float32" else f"{dtype} autocast (weights, optimiser and loss in float32)"
 
@@ -214,6 +225,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         + " |",
         f"| final loss (smoothed) | {summary['final_loss']:.4f} |",
         f"| training arithmetic | {_arithmetic(summary.get('training_dtype', 'float32'))} |",
+        *_thread_rows(summary, cfg),
         f"| wall time: total / training / final eval | {summary['total_time_s']:.0f} s / "
         f"{summary['train_time_s']:.0f} s / {summary['eval_time_s']:.0f} s |",
         f"| first generation ready after | {summary['startup_time_s']:.1f} s |",

@@ -62,6 +62,8 @@ class TrainingLog:
     """Seconds the trainer spent blocked waiting for a batch (the prefetch thread samples ahead)."""
     step_time_s: float = 0.0
     """Seconds spent in gradient steps, waits included (closed-loop checks excluded)."""
+    idle_thread_steps: int = 0
+    """Gradient steps taken with ``DemoConfig.idle_threads`` threads, while the producers were idle."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready copy."""
@@ -74,6 +76,7 @@ class TrainingLog:
             "stopped_early": self.stopped_early,
             "batch_wait_s": self.batch_wait_s,
             "step_time_s": self.step_time_s,
+            "idle_thread_steps": self.idle_thread_steps,
         }
 
     @property
@@ -173,6 +176,33 @@ class _StreamMeter:
         return record
 
 
+class _TrainerThreads:
+    """Torch threads of the trainer: ``idle`` while the producers are idle, ``busy`` while they produce.
+
+    A generation is being produced while the engine's requested generation is ahead of its completed one.
+    Between generations the producers sleep, so the trainer can use their cores too; while they run,
+    threads beyond the free cores would wait for one at every parallel region (measured on 2 cores: 2.7
+    steps/s against 34.5). ``idle=0`` keeps ``busy`` throughout.
+    """
+
+    def __init__(self, engine: OnlineDataEngine, busy: int, idle: int) -> None:
+        self.engine, self.busy, self.idle = engine, busy, idle
+        self.current = busy
+        torch.set_num_threads(busy)
+
+    def update(self) -> bool:
+        """Set the thread count for the next step; ``True`` when it is ``idle``'s."""
+        if not self.idle:
+            return False
+        status = self.engine.get_flow_status()
+        producers_idle = status["completed_generation"] >= status["requested_generation"]
+        wanted = self.idle if producers_idle else self.busy
+        if wanted != self.current:
+            torch.set_num_threads(wanted)
+            self.current = wanted
+        return producers_idle
+
+
 def train_policy(
     engine: OnlineDataEngine,
     policy: ChunkPolicy | VisionPolicy,
@@ -211,6 +241,7 @@ def train_policy(
     dtype = cfg.training_dtype
     precision = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
+    threads = _TrainerThreads(engine, cfg.num_threads, cfg.idle_threads)
     began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
     budget_s = max(deadline - began, 1e-3)
     rates = {"samples_per_s": 0.0, "fresh_episodes_per_s": 0.0}
@@ -221,6 +252,7 @@ def train_policy(
             progress = max((step - 1) / cfg.steps, (time.monotonic() - began) / budget_s)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg.lr, progress)
+            log.idle_thread_steps += threads.update()
             step_began = time.monotonic()
             data, waited = prefetcher.get(_BATCH_TIMEOUT_S)
             log.batch_wait_s += waited
@@ -265,6 +297,7 @@ def train_policy(
                     _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
                 break
     finally:
+        torch.set_num_threads(cfg.num_threads)
         prefetcher.close()
         bar.close()
         log.train_time_s = time.monotonic() - began
