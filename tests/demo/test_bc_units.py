@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -278,3 +279,20 @@ def test_trainer_threads_take_the_cores_only_while_the_producers_are_idle():
             assert unchanged.update() is False and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_noisy_producers_get_more_attempts_per_window():
+    """With ``--action-noise`` a window's episode fails now and then (13% at 0.03 rad), so the demo gives
+    each window ``NOISY_EXPERT_ATTEMPTS``; without noise the engine's default stands."""
+    from simstream import OnlineDataEngineCfg
+    from simstream.bc.camera_source import CameraSourceSpec
+    from simstream.bc.demo import NOISY_EXPERT_ATTEMPTS, engine_config
+
+    vision = DemoConfig().with_vision()
+    noisy = engine_config(dataclasses.replace(vision, action_noise=0.03))
+    assert NOISY_EXPERT_ATTEMPTS == 10 and noisy.max_generation_attempts == 10
+    assert isinstance(noisy.source, CameraSourceSpec) and noisy.source.action_noise == 0.03
+    default = OnlineDataEngineCfg.max_generation_attempts
+    assert engine_config(vision).max_generation_attempts == default == 3
+    assert engine_config(DemoConfig()).max_generation_attempts == default
+    assert engine_config(vision).refill_threshold == 0 and vision.idle_threads == 0  # streams continuously

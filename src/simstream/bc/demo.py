@@ -106,21 +106,12 @@ def _stream_summary(log: TrainingLog, stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the whole demo; returns the summary also written to ``summary.json``.
-
-    Raises:
-        KeyboardInterrupt: after stopping the producers (nothing is left running).
-        Exception: a producer's original exception, after the engine stopped.
-    """
-    from torch.utils.tensorboard import SummaryWriter
-
-    from simstream import OnlineDataEngine, OnlineDataEngineCfg
+def engine_config(cfg: DemoConfig):
+    """The ``OnlineDataEngineCfg`` the demo streams with: the task's expert (with ``--vision``, rendering
+    its cameras), or a LeRobot dataset with ``--dataset``."""
+    from simstream import OnlineDataEngineCfg
     from simstream.tasks import make_source
 
-    began = time.monotonic()
-    name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.runs_dir) / name
     if cfg.vision:
         source = CameraSourceSpec(
             cfg.task,
@@ -132,7 +123,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     else:
         source = make_source(cfg.task, num_envs=1, max_episode_steps=cfg.max_episode_steps)
     source = demo_source(cfg, source)  # --dataset: a LeRobot dataset replayed instead
-    engine_cfg = OnlineDataEngineCfg(
+    return OnlineDataEngineCfg(
         source=source, buffer_size=cfg.buffer_size, num_workers=cfg.num_workers,
         refill_threshold=cfg.refill_threshold, seed=cfg.seed, backend=cfg.engine_backend,
         # a perturbed expert fails now and then (about 13% of episodes at 0.03 rad); a window is published
@@ -140,6 +131,24 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         max_generation_attempts=NOISY_EXPERT_ATTEMPTS if cfg.vision and cfg.action_noise > 0
         else OnlineDataEngineCfg.max_generation_attempts,
     )  # fmt: skip
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the whole demo; returns the summary also written to ``summary.json``.
+
+    Raises:
+        KeyboardInterrupt: after stopping the producers (nothing is left running).
+        Exception: a producer's original exception, after the engine stopped.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    from simstream import OnlineDataEngine
+
+    began = time.monotonic()
+    name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.runs_dir) / name
+    engine_cfg = engine_config(cfg)
+    source = engine_cfg.source
     engine_cfg.validate()  # a bad setting fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
