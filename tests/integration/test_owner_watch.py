@@ -27,6 +27,9 @@ def _owner(method: str, results, started) -> None:
     worker.start()
     results.put(("worker", worker.pid))
     started.wait(60.0)
+    # a queue's put is sent by a feeder thread, which os._exit would kill before it sent the pid
+    results.close()
+    results.join_thread()
     os._exit(0)  # no join, no atexit: the worker is orphaned
 
 
