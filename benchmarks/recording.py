@@ -154,7 +154,7 @@ def run(args: Args) -> int:
         f" --flush-every {args.flush_every}" if args.flush_every else ""
     )
     print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
-    rows = []
+    rows, rounds = [], []
     try:
         for name, source in sources.items():
             plain, recorded = [], []
@@ -177,6 +177,12 @@ def run(args: Args) -> int:
             ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
             size = median(recorded, "bytes_per_episode")
             rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling))
+            rounds.append(
+                f"{name}, episodes/s without -> with, in round order: "
+                + ", ".join(
+                    f"{p['episodes_per_s']:.2f} -> {r['episodes_per_s']:.2f}" for p, r in zip(plain, recorded)
+                )
+            )
         print(
             "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) "
             "| rounds' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
@@ -188,6 +194,7 @@ def run(args: Args) -> int:
                 f"| {name} | {a:.2f} | {b:.2f} | {statistics.median(pairs):.3f} | {_spread(pairs)} "
                 f"| {size:,.0f} | {producer_ms:.1f} | {recorder_ms:.2f} | {ceiling:.3f} |"
             )
+        print("\n" + "\n".join(f"* {line}" for line in rounds))
 
         plain, recorded = [], []
         for k in range(args.rounds):
