@@ -23,6 +23,7 @@ from tensordict import TensorDict
 
 from .._bounded import held
 from .._sync import SharedFlag, SharedLock
+from ..buffer.gate import RecordGate
 from ..buffer.index import EPISODE, EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..config import OnlineDataEngineCfg
@@ -111,6 +112,7 @@ class OnlineDataEngine(EngineLifecycle):
             run_id=self.run_id,
             max_generation_attempts=cfg.max_generation_attempts,
             check_unwritten_frames=cfg.check_unwritten_frames,
+            record_gate=RecordGate(cfg.buffer_size, ctx),
         )
         self._sampler = WindowSampler(storage, index, quota)
         self.shared_buffer: TensorDict = storage.rows_view()
