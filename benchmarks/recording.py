@@ -11,10 +11,10 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
    fill every core: producer / (producer + recorder).
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting,
    with ``demo --record``'s groups of 8 episodes), without and with the recorder: batches/s. Target: >= 0.90.
+3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 
 Each ratio is the median over rounds of with / without in the same interleaved round (each round's
 ratio is printed too); the rates are medians over rounds.
-3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ def production(source, args: Args, record: Path | None) -> dict[str, float]:
     return out
 
 
-def sampling(source, args: Args, record: Path | None) -> float:
-    """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously."""
+def sampling(source, args: Args, record: Path | None) -> dict[str, float]:
+    """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously, and the fresh
+    episodes/s they published meanwhile."""
     from simstream.bc.recording import TRAINING_FLUSH_EVERY
 
     engine = _engine(source, args.workers, 64, manual=False)
@@ -120,7 +121,7 @@ def sampling(source, args: Args, record: Path | None) -> float:
         episodes = engine.get_stats()["successful_episodes"] - first
     if recorder is not None:
         recorder.close()
-    return batches / elapsed, episodes / elapsed
+    return {"batches_per_s": batches / elapsed, "episodes_per_s": episodes / elapsed}
 
 
 def replay(root: Path, args: Args) -> float:
@@ -200,10 +201,10 @@ def run(args: Args) -> int:
         for k in range(args.rounds):
             plain.append(sampling(sources["low-dim"], args, None))
             recorded.append(sampling(sources["low-dim"], args, scratch / f"sampling-{k}"))
-        a, b = (statistics.median(r[0] for r in rates) for rates in (plain, recorded))
-        ea, eb = (statistics.median(r[1] for r in rates) for rates in (plain, recorded))
-        pairs = [with_ / without for (with_, _), (without, _) in zip(recorded, plain)]
-        fresh = [with_ / without for (_, with_), (_, without) in zip(recorded, plain)]
+        a, b = (statistics.median(r["batches_per_s"] for r in rates) for rates in (plain, recorded))
+        ea, eb = (statistics.median(r["episodes_per_s"] for r in rates) for rates in (plain, recorded))
+        pairs = _pair_ratios(plain, recorded, "batches_per_s")
+        fresh = _pair_ratios(plain, recorded, "episodes_per_s")
         print(
             "\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) "
             "| rounds' ratios |"
