@@ -101,6 +101,9 @@ def test_wake_ends_the_recorders_wait():
     gate.wake()
     assert gate.wait_for_publication(600.0)
     assert not gate.wait_for_publication(0.0), "rings are consumed by the wake-up"
+
+
+def test_attach_rejects_an_unknown_mode():
     gate = RecordGate(1)
     with pytest.raises(ValueError, match="RecordGate mode must be 'wait' or 'skip', got 'off'"):
         gate.attach("off")
