@@ -336,8 +336,8 @@ if __name__ == "__main__":
 """
 
 
-def _run_script(path, text: str, timeout: float):
-    """Run ``text`` as the main module of a fresh interpreter, with the repository importable."""
+def _run_script(path, text: str, timeout: float, args: tuple[str, ...] | list[str] = ()):
+    """Run ``text`` as the main module of a fresh interpreter (with ``args``), the repository importable."""
     import subprocess
     import sys
     from pathlib import Path
@@ -345,7 +345,7 @@ def _run_script(path, text: str, timeout: float):
     path.write_text(text)
     root = Path(__file__).resolve().parents[2]
     return subprocess.run(
-        [sys.executable, str(path)],
+        [sys.executable, str(path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -363,28 +363,55 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
 
 
 _UNGUARDED_SCRIPT = """
+import sys
 from simstream import OnlineDataEngine
 from tests.support.engines import make_cfg
 
-# No `if __name__ == "__main__":` guard: every forkserver producer re-runs this module, and the
-# engine it builds there fails to start its own producer.
+# No `if __name__ == "__main__":` guard: every forkserver producer re-runs this module (as
+# "__mp_main__"), and the engine it builds there must refuse to start.
 engine = OnlineDataEngine(make_cfg())
 try:
     engine.start()
 except RuntimeError as error:
-    notes = getattr(error, "__notes__", [])
-    print("child", engine.state.value, "bootstrapping phase" in str(error), notes, flush=True)
+    if __name__ == "__main__":
+        print("owner", engine.state.value, str(error).replace("\\n", " "), flush=True)
+    elif sys.argv[1] == "raise":
+        raise  # the producer's preparation fails, as in a script that does not catch it
+    else:
+        print("child", engine.state.value, str(error), flush=True)
 else:
     engine.stop()
     print("owner", engine.state.value, flush=True)
 """
 
+_CHILD_REFUSAL = (
+    "OnlineDataEngine.start() was called while Python was preparing a worker process, which imports the "
+    'main module again: start the engine under `if __name__ == "__main__":`.'
+)
 
-def test_a_producer_that_cannot_be_started_fails_start_cleanly(tmp_path):
-    """A process whose start() raises is not registered, so cleanup does not try to join it."""
-    result = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT, timeout=120)
+
+def test_an_engine_started_while_a_producer_imports_the_main_module_refuses_to_start(tmp_path):
+    """The child's engine raises before it allocates or starts anything; the owner's producer then runs."""
+    result = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT, timeout=120, args=["catch"])
     lines = sorted(result.stdout.splitlines())
-    assert lines == ["child FAILED True []", "owner STOPPED"], result.stdout + result.stderr[-3000:]
+    assert lines == [f"child CREATED {_CHILD_REFUSAL}", "owner STOPPED"], (
+        result.stdout + result.stderr[-3000:]
+    )
+
+
+def test_a_script_without_a_main_guard_gets_start_error_naming_the_guard(tmp_path):
+    """A producer that dies while Python prepares it cannot publish anything: the owner's error says why."""
+    result = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT, timeout=120, args=["raise"])
+    report = result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0, report
+    (line,) = result.stdout.splitlines()
+    assert line.startswith(
+        "owner FAILED OnlineDataEngine simulation worker exited unexpectedly (exit code 1)."
+    ), report
+    assert "It exited before any of its own code ran" in line, report
+    assert "Under the 'forkserver' start method" in line and '`if __name__ == "__main__":`' in line, report
+    assert _CHILD_REFUSAL in result.stderr, report  # the producer's own stderr says it too
+    assert "terminate called" not in result.stderr and "leaked" not in result.stderr, report
 
 
 def test_ctrl_c_reaching_the_producers_is_left_to_the_owner():

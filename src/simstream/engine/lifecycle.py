@@ -16,7 +16,7 @@ import weakref
 
 from ..errors import OnlineDataWorkerError, add_note
 from ..workers.channel import describe_exit
-from ..workers.supervisor import WorkerSpec, WorkerSupervisor
+from ..workers.supervisor import WorkerSpec, WorkerSupervisor, preparing_worker_process
 from .state import OnlineDataEngineState as State
 
 __all__ = ["EngineLifecycle"]
@@ -92,6 +92,11 @@ class EngineLifecycle:
             Exception: a producer's original exception (or ``OnlineDataWorkerError``).
         """
         self._require_owner("start")
+        if preparing_worker_process():
+            raise RuntimeError(
+                "OnlineDataEngine.start() was called while Python was preparing a worker process, which "
+                'imports the main module again: start the engine under `if __name__ == "__main__":`.'
+            )
         with self._lifecycle:
             state = self.state
             if state is not State.CREATED:
@@ -202,9 +207,7 @@ class EngineLifecycle:
             # are the graceful exits it asked for, and stop() itself reports any death before it
             return
         for label, code in dead:
-            error = RuntimeError(
-                f"OnlineDataEngine simulation worker exited unexpectedly ({describe_exit(code)})."
-            )
+            error = RuntimeError(supervisor.died_message(label, code))
             logger.error("%s exited: %s", label, describe_exit(code))
             shared.channel.publish(error, label, exitcode=code)
             self._raise_if_failed()
@@ -290,7 +293,7 @@ class EngineLifecycle:
         for label, code in supervisor.dead_workers():
             error = RuntimeError(
                 "OnlineDataEngine simulation worker exited unexpectedly before stop() "
-                f"({describe_exit(code)})."
+                f"({describe_exit(code)}).{supervisor.exit_note(label, code)}"
             )
             self._shared.channel.publish(error, label, exitcode=code)
             return self._shared.channel.error()

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
-from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor
+from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor, preparing_worker_process
 from .config import RunnerConfig
 from .crash_log import CrashLog
 from .diagnosis import CollectorHangError, format_collector_death, format_collector_hang
@@ -147,6 +147,11 @@ class AsyncRunner(ABC):
         self._raise_if_closed()
         if self._supervisor is not None:
             raise RuntimeError(f"{type(self).__name__}: the collector was already started")
+        if preparing_worker_process():
+            raise RuntimeError(
+                f"{type(self).__name__} started its collector while Python was preparing a worker process, "
+                'which imports the main module again: train under `if __name__ == "__main__":`.'
+            )
         cfg = self.runner_config
         self._crash_log = CrashLog(crash_dir)
         self._channel = ErrorChannel(_SPAWN)
@@ -156,7 +161,7 @@ class AsyncRunner(ABC):
             _SPAWN,
             self._channel,
             is_closing=self._stop_event.is_set,
-            died_message=lambda label, code: f"{label} exited unexpectedly ({describe_exit(code)})",
+            died_message=lambda label, code: f"{label} exited unexpectedly ({describe_exit(code)}).",
             heartbeat=self._heartbeat,
             hang_timeout_s=cfg.hang_timeout_s,
         )

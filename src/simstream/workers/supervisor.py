@@ -7,6 +7,11 @@ turns a silent death (SIGKILL, segfault, ``os._exit``) into a published record w
 calls the owner's ``on_exit`` hook, so a waiting owner wakes at once), keeps an optional heartbeat per
 worker for hang detection, and stops the group with a bounded escalation: graceful join, then
 ``terminate()``, then ``kill()``.
+
+A worker that dies before :func:`worker_entry` runs cannot publish anything: under ``spawn`` and
+``forkserver`` that is Python failing to prepare the child (it imports the main module again, so a script
+that starts workers at import time fails there). Each worker marks a shared flag as its first act, and
+:meth:`WorkerSupervisor.exit_note` turns a missing flag into a diagnosis for the death's message.
 """
 
 from __future__ import annotations
@@ -23,7 +28,17 @@ from multiprocessing.connection import wait as wait_for_sentinels
 
 from .channel import ErrorChannel
 
-__all__ = ["Heartbeat", "ShutdownReport", "WorkerSpec", "WorkerSupervisor", "owner_watch", "worker_entry"]
+__all__ = [
+    "EntryFlags",
+    "Heartbeat",
+    "ShutdownReport",
+    "WorkerSpec",
+    "WorkerSupervisor",
+    "bootstrap_note",
+    "owner_watch",
+    "preparing_worker_process",
+    "worker_entry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +50,7 @@ def worker_entry(
     label: str,
     heartbeat: Heartbeat | None,
     index: int,
+    entered: EntryFlags | None = None,
 ) -> None:
     """Top-level body of every worker process.
 
@@ -43,6 +59,8 @@ def worker_entry(
     pickled bytes in ``args`` and be loaded by the target. The exception is re-raised, so the process still
     exits non-zero.
     """
+    if entered is not None:
+        entered.mark(index)
     try:
         if heartbeat is not None:
             heartbeat.beat(index)
@@ -67,6 +85,42 @@ def owner_watch() -> Callable[[], bool]:
     poller = select.poll()
     poller.register(owner.sentinel, select.POLLIN)  # readable (EOF) once the owner is gone
     return lambda: bool(poller.poll(0))
+
+
+class EntryFlags:
+    """One shared byte per worker, set by :func:`worker_entry` before anything else: a worker whose flag
+    is unset when it exits died while Python was still preparing the process."""
+
+    def __init__(self, num_workers: int, ctx: mp.context.BaseContext) -> None:
+        self._flags = ctx.Array("b", num_workers, lock=False)
+
+    def mark(self, index: int) -> None:
+        self._flags[index] = 1
+
+    def entered(self, index: int) -> bool:
+        return bool(self._flags[index])
+
+
+def preparing_worker_process() -> bool:
+    """True while Python prepares a ``spawn`` or ``forkserver`` child, that is, while it imports the main
+    module again there: starting workers then is the mistake :func:`bootstrap_note` explains (the flag is
+    the one multiprocessing itself checks before refusing to start a process)."""
+    return bool(getattr(mp.process.current_process(), "_inheriting", False))
+
+
+def bootstrap_note(start_method: str, exitcode: int | None) -> str:
+    """Why a worker that never reached its own code exited, as a sentence to append to its death's message
+    (empty where there is nothing to add: a signal names itself)."""
+    if exitcode is None or exitcode <= 0:
+        return ""
+    note = " It exited before any of its own code ran: Python failed while preparing the new process."
+    if start_method in ("spawn", "forkserver"):
+        note += (
+            f" Under the {start_method!r} start method each worker imports the main module again, so a "
+            "script that starts workers when it is imported must do so under "
+            "`if __name__ == \"__main__\":`. The worker's stderr shows Python's own error."
+        )
+    return note
 
 
 class Heartbeat:
@@ -157,6 +211,8 @@ class WorkerSupervisor:
         self._daemon = daemon
         self._on_exit = on_exit
         self._processes: dict[str, mp.process.BaseProcess] = {}
+        self._indices: dict[str, int] = {}
+        self._entered: EntryFlags | None = None
         self._exits = select.poll()
         """Every worker's sentinel: one ``poll(2)`` tells whether any exited (see :meth:`dead_workers`)."""
         self._exit_read = threading.Event()
@@ -172,15 +228,17 @@ class WorkerSupervisor:
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
+        self._entered = entered = EntryFlags(len(specs), self._ctx)
         for index, spec in enumerate(specs):
             process = self._ctx.Process(
                 target=worker_entry,
-                args=(spec.target, spec.args, self._channel, spec.label, self._heartbeat, index),
+                args=(spec.target, spec.args, self._channel, spec.label, self._heartbeat, index, entered),
                 name=spec.label,
                 daemon=self._daemon,
             )
             process.start()  # registered only once started: shutdown() joins what it holds
             self._processes[spec.label] = process
+            self._indices[spec.label] = index
             self._exits.register(process.sentinel, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
@@ -191,7 +249,7 @@ class WorkerSupervisor:
                 self._forcing,
                 self._status_lock,
                 self._is_closing,
-                self._died_message,
+                self.died_message,
                 self._heartbeat,
                 self._hang_timeout_s,
                 self._on_exit,
@@ -201,6 +259,18 @@ class WorkerSupervisor:
             daemon=True,
         )
         self._monitor.start()
+
+    def exit_note(self, label: str, exitcode: int | None) -> str:
+        """A sentence to append to the message of ``label``'s death: why it died if it never reached
+        :func:`worker_entry` (see :func:`bootstrap_note`), else empty."""
+        index, entered = self._indices.get(label), self._entered
+        if index is None or entered is None or entered.entered(index):
+            return ""
+        return bootstrap_note(self._ctx.get_start_method(), exitcode)
+
+    def died_message(self, label: str, exitcode: int | None) -> str:
+        """The owner's message for a silent death of ``label``, with :meth:`exit_note` appended."""
+        return self._died_message(label, exitcode) + self.exit_note(label, exitcode)
 
     def dead_workers(self) -> list[tuple[str, int | None]]:
         """Workers that have exited, with their exit codes (non-blocking).
