@@ -52,21 +52,20 @@ def test_wait_mode_runs_the_check_until_the_rows_are_recorded():
 
 
 def _claim_in_child(gate: RecordGate, go, done) -> None:
-    """A producer's side: one claim of row 0 (episode 9 published there) per ``go``, then a publication."""
+    """A producer's side: one claim of row 0 (episode 9 published there) per ``go``."""
     published = _ids(9)
     for _ in range(3):
         if not go.wait(60):
             return
         go.clear()
         gate.before_claim(0, 1, published)
-        gate.after_publish()
         done.set()
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_copy_in_another_process_follows_the_shared_mode(method):
     """Pickled into a producer process, the gate reads the owner's mode: attach and detach reach its claims,
-    and its publications wake the owner's recorder only while one is attached."""
+    and a claim that must wait for the recorder wakes it, while claims that need not wait wake nothing."""
     ctx = mp.get_context(method)
     gate, go, done = RecordGate(1), ctx.Event(), ctx.Event()
     child = ctx.Process(target=_claim_in_child, args=(gate, go, done))
@@ -76,19 +75,24 @@ def test_a_copy_in_another_process_follows_the_shared_mode(method):
         def claim() -> None:
             done.clear()
             go.set()
-            assert done.wait(_BOUND_S)
 
-        claim()  # off: nothing counted, and no recorder to wake
+        claim()  # off: nothing counted, nothing waited for, no recorder to wake
+        assert done.wait(_BOUND_S)
         assert gate.skipped.tolist() == [0]
-        assert not gate.wait_for_publication(0.0)
+        assert not gate.wait_for_demand(0.0)
         gate.attach("skip")
         claim()
-        assert gate.skipped.tolist() == [1]  # counted through the shared tensor
-        assert gate.wait_for_publication(600.0)  # far past the test's bound: only the ring ends it in time
-        gate.detach()
+        assert done.wait(_BOUND_S)
+        assert gate.skipped.tolist() == [1]  # counted through the shared tensor; the producer never waits
+        assert not gate.wait_for_demand(0.0)
+        gate.attach("wait")
         claim()
+        assert gate.wait_for_demand(600.0)  # far past the test's bound: only the waiting claim's ring ends it
+        assert not done.is_set(), "the claim returned before its row was recorded"
+        gate.mark_recorded(0, 9)  # the recorder copied the row: the claim proceeds
+        assert done.wait(_BOUND_S)
         assert gate.skipped.tolist() == [1]
-        assert not gate.wait_for_publication(0.0)
+        assert not gate.wait_for_demand(0.0), "one ring per wait, not one per slice"
     finally:
         child.join(_BOUND_S)
         if child.is_alive():
@@ -99,8 +103,8 @@ def test_a_copy_in_another_process_follows_the_shared_mode(method):
 def test_wake_ends_the_recorders_wait():
     gate = RecordGate(1)
     gate.wake()
-    assert gate.wait_for_publication(600.0)
-    assert not gate.wait_for_publication(0.0), "rings are consumed by the wake-up"
+    assert gate.wait_for_demand(600.0)
+    assert not gate.wait_for_demand(0.0), "rings are consumed by the wake-up"
 
 
 def test_attach_rejects_an_unknown_mode():

@@ -12,8 +12,11 @@ is attached in ``"wait"`` mode, waits until every row about to be claimed is rec
 producer's stop check raises once the engine closes or its owner is gone); a recorder that detaches (closes,
 or its thread fails) sets the mode back to off, which ends every wait.
 
-While a recorder is attached, every publication rings the gate's doorbell (:meth:`after_publish`), so the
-recorder sleeps until there is something to copy instead of polling the index.
+The recorder looks at the index on a timer (a tenth of a second), which keeps it off the producers' cores
+between looks. A claim that must wait rings the gate's doorbell before its first sleep, so a producer
+blocked on the recorder wakes it at once (:meth:`wait_for_demand`). Publications ring nothing: a wake-up
+per publication, rung under the publication lock, cost the producers more CPU per episode than the
+recorder's own copies (``BENCHMARKS.md``).
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ _MODES = {"off": _OFF, "wait": _WAIT, "skip": _SKIP}
 class RecordGate:
     """Per-row "recorded up to episode id" in shared memory, and the recorder's mode.
 
-    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64), ``mode`` (one int64) and the publication
-    doorbell (a semaphore). Allocated by the engine's owner and pickled into producers with the rest of the
-    shared state.
+    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64), ``mode`` (one int64) and the doorbell a
+    waiting claim rings (a semaphore). Allocated by the engine's owner and pickled into producers with the
+    rest of the shared state.
     """
 
     def __init__(self, buffer_size: int, ctx: Any = None) -> None:
-        self._published = Doorbell(ctx)
+        self._demand = Doorbell(ctx)
         self.recorded = torch.full((buffer_size,), -1, dtype=torch.int64).share_memory_()
         self.skipped = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
         self.mode = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -80,21 +83,16 @@ class RecordGate:
         """The recorder copied ``episode_id`` out of ``row``: the row may be claimed again."""
         self.recorded[row] = episode_id
 
-    def after_publish(self) -> None:
-        """In a producer, after it published rows: wake an attached recorder. Never blocks."""
-        if int(self._mode_view[0]) != _OFF:
-            self._published.ring()
-
-    def wait_for_publication(self, timeout: float) -> bool:
-        """In the recorder: sleep until a publication (or :meth:`wake`) or ``timeout`` seconds pass.
+    def wait_for_demand(self, timeout: float) -> bool:
+        """In the recorder: sleep until a claim waits for a row (or :meth:`wake`) or ``timeout`` seconds pass.
 
         Returns ``True`` when woken; callers look at the index again either way.
         """
-        return self._published.wait(timeout)
+        return self._demand.wait(timeout)
 
     def wake(self) -> None:
         """End the recorder's :meth:`wait_for_publication` now (it is closing)."""
-        self._published.ring()
+        self._demand.ring()
 
     def total_skipped(self) -> int:
         return int(self.skipped.sum())
@@ -120,6 +118,8 @@ class RecordGate:
             if mode == _SKIP:
                 self.skipped[start:end] += pending.to(torch.int64)
                 return
+            if slice_s == 0.001:  # the first slice of this wait: the recorder copies now, not on its timer
+                self._demand.ring()
             if check is not None:
                 check()
             time.sleep(slice_s)

@@ -353,8 +353,6 @@ class EpisodeWriter:
         if self.storage.has("ods_run_id"):
             self._stamp_provenance(start, end, generation, episode_ids, published_ns)
         self.index.end_write(start, end, generation, episode_ids)
-        if self.record_gate is not None:
-            self.record_gate.after_publish()
         return PublishedWindow(start, end, generation, episode_ids, published_ns)
 
     def _stamp_provenance(

@@ -2,9 +2,9 @@
 
 The recorder is a thread in the process that owns the engine. It reads published rows the way a sampler
 does (note the row's even seqlock version, copy, check the version again) but never inside
-``sample_batch``: woken by each publication (the doorbell of the engine's
-:class:`~simstream.buffer.gate.RecordGate`), it looks in the eligibility index for rows whose published
-episode id is newer than what it recorded, copies them, and marks them recorded in the gate.
+``sample_batch``: every tenth of a second, or at once when a producer waits for a row (the doorbell of
+the engine's :class:`~simstream.buffer.gate.RecordGate`), it looks in the eligibility index for rows whose
+published episode id is newer than what it recorded, copies them, and marks them recorded in the gate.
 A producer that wants to overwrite a row it has not recorded yet waits (``on_full="wait"``, the default)
 or overwrites it and counts it as skipped (``on_full="skip"``); nothing is dropped silently.
 
@@ -38,9 +38,11 @@ __all__ = ["LeRobotRecorder"]
 logger = logging.getLogger(__name__)
 _POLL_S = 0.01
 """Slice of the copy thread's waits for the writer thread's queue."""
-_IDLE_WAIT_S = 0.05
-"""Longest sleep of the copy thread between looks at the index: every publication wakes it sooner (the
-record gate's doorbell); this bounds how late it notices a failed engine, ``close()`` or a due flush."""
+_IDLE_WAIT_S = 0.1
+"""Sleep of the copy thread between looks at the index. A producer that must wait for a row wakes it
+sooner (the record gate's doorbell), as ``close()`` does; a wake-up per publication instead cost the
+producers more CPU than the copies themselves (``BENCHMARKS.md``). It also bounds how late the thread
+notices a failed engine or a due flush."""
 _GROUPS_IN_FLIGHT = 2
 """Groups copied but not yet written that the copy thread may run ahead of the writer thread."""
 _DONE = None
@@ -228,7 +230,7 @@ class LeRobotRecorder:
                     if self._shared.channel.error() is not None:  # the engine failed: keep what was copied
                         self._hand_off()
                         return
-                    self._shared.record_gate.wait_for_publication(_IDLE_WAIT_S)
+                    self._shared.record_gate.wait_for_demand(_IDLE_WAIT_S)
         except BaseException as error:  # surfaced by check() / close()
             self._fail(error)
         finally:
@@ -280,7 +282,7 @@ class LeRobotRecorder:
 
     def _views(self) -> _RowViews:
         """NumPy views of what the copy thread reads, built once: a tensor read or ``numpy()`` call costs
-        microseconds, and the thread looks at the index about a hundred times a second."""
+        microseconds, and the thread looks at the index at least ten times a second."""
         if self._row_views is None:
             self._row_views = _RowViews.of(self._shared, self.features)
         return self._row_views
