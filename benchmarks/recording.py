@@ -4,17 +4,21 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
 
 1. ``simstream record``'s loop, 2 producers on ``pick_place``, low-dim and with a 64x64 camera as video
    (``--video-codec h264``, the record command's default, or ``av1``): episodes/s the producers publish
-   while the owner requests generations back to back, without
-   and with a ``LeRobotRecorder`` (which producers wait for), in interleaved rounds; bytes per episode.
-   Target: with / without >= 0.95. Also the CPU per episode of the producers and of the recorder (the
-   owner's CPU with the recorder minus without), and the ceiling they put on the ratio when the producers
-   fill every core: producer / (producer + recorder).
+   while the owner requests generations back to back, without and with a ``LeRobotRecorder`` (which
+   producers wait for); bytes per episode. Target: with / without >= 0.95. Also the CPU per episode of the
+   producers and of the recorder (the owner's CPU with the recorder minus without), and the ceiling they
+   put on the ratio when the producers fill every core: producer / (producer + recorder).
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting,
    with ``demo --record``'s groups of 8 episodes), without and with the recorder: batches/s. Target: >= 0.90.
 3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 
-Each ratio is the median over rounds of with / without in the same interleaved round (each round's
-ratio is printed too); the rates are medians over rounds.
+**Phases, not separate runs.** Each measurement runs one engine and alternates phases of ``--seconds``
+without and with a recorder on it (a new recorder per phase, appending to one dataset; its ``close()``,
+the last group's flush, belongs to its phase), in the order without-with, then with-without, and so on.
+On a shared 2-vCPU VM the host's speed drifts by tens of percent over a minute; separate 20-second runs
+of each candidate put that drift into the ratio, adjacent short phases of one engine mostly cancel it.
+Each ratio is the median over pairs of adjacent phases (every pair's ratio is printed too); the rates are
+medians over phases.
 """
 
 from __future__ import annotations
@@ -41,10 +45,10 @@ from _timing import process_cpu_seconds
 class Args:
     quick: bool = False
     """Short rounds: checks that everything runs; the figures mean nothing."""
-    seconds: float = 20.0
-    """Measured seconds per round (after the first generation)."""
-    rounds: int = 2
-    """Interleaved rounds per candidate; tables print the median."""
+    seconds: float = 5.0
+    """Seconds per phase (and the replay measures ``seconds * rounds``)."""
+    rounds: int = 8
+    """Pairs of phases (without, with) per measurement; tables print the median."""
     workers: int = 2
     video_codec: str = "h264"
     """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
@@ -66,73 +70,108 @@ def _producer_pids(engine) -> list[int]:
     return [process.pid for name, process in processes.items() if name.startswith("producer-")]
 
 
-def _recorder(engine, record: Path | None, args: Args, flush_every: int | None):
-    """A started ``LeRobotRecorder`` into ``record`` (``None``: no recorder); ``flush_every=None``: its
-    default."""
+def _recorder(engine, record: Path, args: Args, flush_every: int | None):
+    """A started ``LeRobotRecorder`` appending to ``record``; ``flush_every=None``: its default."""
     from simstream.lerobot import LeRobotRecorder
 
-    if record is None:
-        return None
     groups = {} if flush_every is None else {"flush_every": flush_every}
     return LeRobotRecorder(engine, record, video_codec=args.video_codec, **groups).start()
 
 
-def production(source, args: Args, record: Path | None) -> dict[str, float]:
+def _alternate(engine, args: Args, record: Path, flush_every: int | None, measure) -> tuple[list, list]:
+    """``measure(engine)`` in ``2 * args.rounds`` phases, alternately without and with a recorder (pair
+    ``k``: without first for even ``k``, with first for odd ``k``); returns the plain and recorded results
+    in pair order, after one phase of warm-up. ``measure`` runs a phase and returns the callback that
+    closes it with the phase's rates."""
+    measure(engine)()  # warm-up, not counted: the producers' first episodes after start are slower
+    plain, recorded = [], []
+    for k in range(args.rounds):
+        for recording in (False, True) if k % 2 == 0 else (True, False):
+            recorder = None
+            if recording:
+                # What the buffer holds from the phase before counts as recorded: ``simstream record``
+                # starts its recorder before the engine, so it never begins with a backlog to copy.
+                shared = engine._shared
+                shared.record_gate.recorded.copy_(shared.index.episode_id)
+                recorder = _recorder(engine, record, args, flush_every)
+            finish = measure(engine)
+            if recorder is not None:
+                recorder.close()  # the last group's flush is part of the phase
+                result = finish()
+                result["bytes_per_episode"] = recorder.bytes_written / max(1, recorder.episodes_flushed)
+                result["skipped"] = recorder.episodes_skipped
+                recorded.append(result)
+            else:
+                plain.append(finish())
+    return plain, recorded
+
+
+def production(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
     """Episodes/s the producers publish with generations requested back to back (``simstream record``),
-    and the CPU seconds per episode of the producers and of this process (the recorder's thread runs here)."""
-    engine = _engine(source, args.workers, 8 * args.workers, manual=True)
-    recorder = _recorder(engine, record, args, args.flush_every)
-    with engine:
+    and the CPU seconds per episode of the producers and of this process (the recorder's threads run
+    here), per phase without and with the recorder."""
+
+    def measure(engine):
         first, began = engine.get_stats()["successful_episodes"], time.monotonic()
         owner_cpu, producers_cpu = time.process_time(), process_cpu_seconds(_producer_pids(engine))
         while time.monotonic() - began < args.seconds:
             engine.request_refill()
             time.sleep(0.01)  # the record command polls its progress the same way
-        elapsed = time.monotonic() - began
-        episodes = engine.get_stats()["successful_episodes"] - first
-        owner_cpu = time.process_time() - owner_cpu
-        producers_cpu = process_cpu_seconds(_producer_pids(engine)) - producers_cpu
-    out = {
-        "episodes_per_s": episodes / elapsed,
-        "owner_cpu_per_episode_s": owner_cpu / max(1, episodes),
-        "producer_cpu_per_episode_s": producers_cpu / max(1, episodes),
-    }
-    if recorder is not None:
-        recorder.close()
-        out["bytes_per_episode"] = recorder.bytes_written / max(1, recorder.episodes_flushed)
-        out["recorded"] = recorder.episodes_flushed
-        out["skipped"] = recorder.episodes_skipped
-    return out
+
+        def finish() -> dict[str, float]:
+            elapsed = time.monotonic() - began
+            episodes = engine.get_stats()["successful_episodes"] - first
+            return {
+                "episodes_per_s": episodes / elapsed,
+                "owner_cpu_per_episode_s": (time.process_time() - owner_cpu) / max(1, episodes),
+                "producer_cpu_per_episode_s": (process_cpu_seconds(_producer_pids(engine)) - producers_cpu)
+                / max(1, episodes),
+            }
+
+        return finish
+
+    with _engine(source, args.workers, 8 * args.workers, manual=True) as engine:
+        engine.request_refill()  # the producers run from here to the end of the last phase
+        return _alternate(engine, args, record, args.flush_every, measure)
 
 
-def sampling(source, args: Args, record: Path | None) -> dict[str, float]:
+def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
     """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously, and the fresh
-    episodes/s they published meanwhile."""
+    episodes/s they published meanwhile, per phase without and with the recorder."""
     from simstream.bc.recording import TRAINING_FLUSH_EVERY
 
-    engine = _engine(source, args.workers, 64, manual=False)
-    recorder = _recorder(engine, record, args, args.flush_every or TRAINING_FLUSH_EVERY)
-    with engine:
+    def measure(engine):
         first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
         while time.monotonic() - began < args.seconds:
             engine.sample_batch(256, 16)
             batches += 1
-        elapsed = time.monotonic() - began
-        episodes = engine.get_stats()["successful_episodes"] - first
-    if recorder is not None:
-        recorder.close()
-    return {"batches_per_s": batches / elapsed, "episodes_per_s": episodes / elapsed}
+
+        def finish() -> dict[str, float]:
+            elapsed = time.monotonic() - began
+            episodes = engine.get_stats()["successful_episodes"] - first
+            return {"batches_per_s": batches / elapsed, "episodes_per_s": episodes / elapsed}
+
+        return finish
+
+    with _engine(source, args.workers, 64, manual=False) as engine:
+        return _alternate(engine, args, record, args.flush_every or TRAINING_FLUSH_EVERY, measure)
 
 
 def replay(root: Path, args: Args) -> float:
+    """Episodes/s ``LeRobotSpec`` streams from ``root`` into an engine (generations back to back)."""
     from simstream.lerobot import LeRobotSpec
 
-    return production(LeRobotSpec(root), args, None)["episodes_per_s"]
+    with _engine(LeRobotSpec(root), args.workers, 8 * args.workers, manual=True) as engine:
+        first, began = engine.get_stats()["successful_episodes"], time.monotonic()
+        while time.monotonic() - began < args.seconds * args.rounds:
+            engine.request_refill()
+            time.sleep(0.01)
+        return (engine.get_stats()["successful_episodes"] - first) / (time.monotonic() - began)
 
 
 def _pair_ratios(plain: list[dict], recorded: list[dict], key: str) -> list[float]:
-    """with / without per interleaved round: a round and the one before it share the machine's state, so
-    their ratio is steadier than the ratio of medians taken over the whole run."""
+    """with / without per pair of adjacent phases: they share the machine's state, so their ratio is
+    steadier than the ratio of medians taken over the whole run."""
     return [with_[key] / without[key] for without, with_ in zip(plain, recorded)]
 
 
@@ -146,7 +185,7 @@ def run(args: Args) -> int:
 
     torch.set_num_threads(1)
     if args.quick:
-        args = dataclasses.replace(args, seconds=2.0, rounds=1)
+        args = dataclasses.replace(args, seconds=1.0, rounds=1)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
     video = f"64x64 video ({args.video_codec})"
     sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}
@@ -158,12 +197,8 @@ def run(args: Args) -> int:
     rows, rounds = [], []
     try:
         for name, source in sources.items():
-            plain, recorded = [], []
-            for k in range(args.rounds):  # interleaved: without, with, without, with
-                plain.append(production(source, args, None))
-                result = production(source, args, scratch / f"{name}-{k}".replace(" ", "_"))
-                assert result["skipped"] == 0
-                recorded.append(result)
+            plain, recorded = production(source, args, scratch / name.replace(" ", "_"))
+            assert all(result["skipped"] == 0 for result in recorded)
 
             def median(results, key):
                 return statistics.median(result[key] for result in results)
@@ -179,14 +214,14 @@ def run(args: Args) -> int:
             size = median(recorded, "bytes_per_episode")
             rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling))
             rounds.append(
-                f"{name}, episodes/s without -> with, in round order: "
+                f"{name}, episodes/s without -> with, in pair order: "
                 + ", ".join(
                     f"{p['episodes_per_s']:.2f} -> {r['episodes_per_s']:.2f}" for p, r in zip(plain, recorded)
                 )
             )
         print(
             "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) "
-            "| rounds' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
+            "| pairs' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
             "| CPU ceiling of the ratio |"
         )
         print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
@@ -197,17 +232,14 @@ def run(args: Args) -> int:
             )
         print("\n" + "\n".join(f"* {line}" for line in rounds))
 
-        plain, recorded = [], []
-        for k in range(args.rounds):
-            plain.append(sampling(sources["low-dim"], args, None))
-            recorded.append(sampling(sources["low-dim"], args, scratch / f"sampling-{k}"))
+        plain, recorded = sampling(sources["low-dim"], args, scratch / "sampling")
         a, b = (statistics.median(r["batches_per_s"] for r in rates) for rates in (plain, recorded))
         ea, eb = (statistics.median(r["episodes_per_s"] for r in rates) for rates in (plain, recorded))
         pairs = _pair_ratios(plain, recorded, "batches_per_s")
         fresh = _pair_ratios(plain, recorded, "episodes_per_s")
         print(
             "\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) "
-            "| rounds' ratios |"
+            "| pairs' ratios |"
         )
         print("|---|---:|---:|---:|---|")
         ratio = statistics.median(pairs)
@@ -220,7 +252,7 @@ def run(args: Args) -> int:
         print("\n| replay (LeRobotSpec, 2 producers) | episodes/s |")
         print("|---|---:|")
         for name in sources:
-            rate = replay(scratch / f"{name}-0".replace(" ", "_"), args)
+            rate = replay(scratch / name.replace(" ", "_"), args)
             print(f"| {name} | {rate:.1f} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
