@@ -195,14 +195,25 @@ def engine_rate(
 
 # -- the bare pull loop ------------------------------------------------------------------------------------
 class _PayloadActor:
-    """Returns the frames of the same zero-cost source on every call, as NumPy arrays: no engine at all."""
+    """Returns the frames of the same zero-cost source on every call, as NumPy arrays: no engine at all.
+
+    The ``count`` windows of a call are distinct arrays (copied once, then reused), as the engine's are:
+    ``[frames] * count`` would pickle one window and ``count`` references to it, so the call would carry a
+    ``count``-th of the bytes and, past Ray's 100 KiB limit for results returned inline, take the inline
+    path where the engine's results go through the object store."""
 
     def __init__(self, image: bool, seed: int) -> None:
         source = _ZeroCostSource(ZeroCostSpec(image=image), seed)
         self.frames = {name: frames.numpy() for name, frames in source.frames.items()}
+        self.windows: dict[int, list[dict[str, np.ndarray]]] = {}
 
     def generate(self, number: int, count: int) -> list[dict[str, np.ndarray]]:
-        return [self.frames] * count
+        windows = self.windows.get(count)
+        if windows is None:
+            windows = self.windows[count] = [
+                {name: array.copy() for name, array in self.frames.items()} for _ in range(count)
+            ]
+        return windows
 
 
 def bare_pull_rate(
