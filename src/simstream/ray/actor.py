@@ -10,6 +10,7 @@ publishes what it returns. Plain Python: :mod:`simstream.ray.ingest` wraps it wi
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import pickle
@@ -79,6 +80,7 @@ class ProducerActor:
         self._rows = TensorDict(tree, batch_size=[spec.num_envs, self._max_steps])
         with _picklable_errors():
             self._source = spec.build(self._worker_index, self._seed)
+        gc.freeze()  # what Ray, torch and the source left behind is never scanned again (see ingest.py)
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def generate(self, number: int, count: int = 1) -> list[WindowPayload]:

@@ -27,6 +27,7 @@ Failures:
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import signal
@@ -82,6 +83,11 @@ def run_ingest(
         # ray.init installs a SIGTERM handler that raises SystemExit, which would be published as this
         # process's failure when the owner terminates it after its shutdown_timeout: die as a signal does
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Ray, torch and NumPy leave hundreds of thousands of objects behind; every full collection
+        # would walk them all, and unpickling each call's episode reports triggers one every few
+        # thousand episodes. Frozen, they are never scanned: the ingest's CPU per episode fell by a
+        # fifth to a third (BENCHMARKS.md, "Ray producers", run 6).
+        gc.freeze()
         producers.run()
     finally:
         # half the owner's budget: the actors' kills and leaving Ray must fit in before it terminates us
