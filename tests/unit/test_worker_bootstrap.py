@@ -80,11 +80,11 @@ def test_a_worker_that_dies_before_its_entry_gets_the_diagnosis_and_one_that_ran
     supervisor, channel = _supervisor(ctx)
     supervisor.start([WorkerSpec(label="ran", target="sys:exit", args=(3,))])
     try:
-        process = supervisor.processes["ran"]
-        process.join(_BOUND_S)
-        assert process.exitcode == 3
         assert channel.wait_published(_BOUND_S)
         assert isinstance(channel.error(), SystemExit)  # its own code ran and reported why it ended
+        # its exit status through the supervisor, which joins under the lock its monitor thread takes
+        report = supervisor.shutdown(_BOUND_S)
+        assert report.exitcodes == {"ran": 3} and not report.forced
         assert supervisor.exit_note("ran", 3) == ""  # so there is nothing to add about preparing it
     finally:
         assert not supervisor.shutdown(_BOUND_S).still_alive
