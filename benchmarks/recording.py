@@ -78,6 +78,14 @@ def _recorder(engine, record: Path, args: Args, flush_every: int | None):
     return LeRobotRecorder(engine, record, video_codec=args.video_codec, **groups).start()
 
 
+def _refill_back_to_back(engine, seconds: float) -> None:
+    """Request generations back to back for ``seconds``, as ``simstream record`` does."""
+    began = time.monotonic()
+    while time.monotonic() - began < seconds:
+        engine.request_refill()
+        time.sleep(0.01)  # the record command polls its progress the same way
+
+
 def _alternate(engine, args: Args, record: Path, flush_every: int | None, measure) -> tuple[list, list]:
     """``measure(engine)`` in ``2 * args.rounds`` phases, alternately without and with a recorder (pair
     ``k``: without first for even ``k``, with first for odd ``k``); returns the plain and recorded results
@@ -114,9 +122,7 @@ def production(source, args: Args, record: Path) -> tuple[list[dict], list[dict]
     def measure(engine):
         first, began = engine.get_stats()["successful_episodes"], time.monotonic()
         owner_cpu, producers_cpu = time.process_time(), process_cpu_seconds(_producer_pids(engine))
-        while time.monotonic() - began < args.seconds:
-            engine.request_refill()
-            time.sleep(0.01)  # the record command polls its progress the same way
+        _refill_back_to_back(engine, args.seconds)
 
         def finish() -> dict[str, float]:
             elapsed = time.monotonic() - began
@@ -163,9 +169,7 @@ def replay(root: Path, args: Args) -> float:
 
     with _engine(LeRobotSpec(root), args.workers, 8 * args.workers, manual=True) as engine:
         first, began = engine.get_stats()["successful_episodes"], time.monotonic()
-        while time.monotonic() - began < args.seconds * args.rounds:
-            engine.request_refill()
-            time.sleep(0.01)
+        _refill_back_to_back(engine, args.seconds * args.rounds)
         return (engine.get_stats()["successful_episodes"] - first) / (time.monotonic() - began)
 
 

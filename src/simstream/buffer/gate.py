@@ -33,6 +33,8 @@ __all__ = ["RecordGate"]
 
 _OFF, _WAIT, _SKIP = 0, 1, 2
 _MODES = {"off": _OFF, "wait": _WAIT, "skip": _SKIP}
+_FIRST_SLICE_S, _LAST_SLICE_S = 0.001, 0.02
+"""A waiting claim sleeps 1 ms, then twice as long each time, up to 20 ms."""
 
 
 class RecordGate:
@@ -91,7 +93,7 @@ class RecordGate:
         return self._demand.wait(timeout)
 
     def wake(self) -> None:
-        """End the recorder's :meth:`wait_for_publication` now (it is closing)."""
+        """End the recorder's :meth:`wait_for_demand` now (it is closing)."""
         self._demand.ring()
 
     def total_skipped(self) -> int:
@@ -107,7 +109,7 @@ class RecordGate:
             episode_id: The index's per-row published episode id (``-1``: none).
             check: Runs between wait slices; raises to abandon the claim (e.g. the engine is closing).
         """
-        slice_s = 0.001
+        slice_s = _FIRST_SLICE_S
         while True:
             mode = int(self._mode_view[0])
             if mode == _OFF:
@@ -118,9 +120,9 @@ class RecordGate:
             if mode == _SKIP:
                 self.skipped[start:end] += pending.to(torch.int64)
                 return
-            if slice_s == 0.001:  # the first slice of this wait: the recorder copies now, not on its timer
-                self._demand.ring()
+            if slice_s == _FIRST_SLICE_S:
+                self._demand.ring()  # before the first sleep: the recorder copies now, not on its timer
             if check is not None:
                 check()
             time.sleep(slice_s)
-            slice_s = min(slice_s * 2, 0.02)
+            slice_s = min(slice_s * 2, _LAST_SLICE_S)
