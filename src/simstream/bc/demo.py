@@ -180,11 +180,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             log = train_policy(
                 engine, policy, embedding, cfg, deadline=began + cfg.time_limit_s, writer=writer
             )
-            stats = engine.get_stats()
         finally:
             engine.stop()
             if recorder is not None:
                 recorder.close()  # flushes every episode published before the stop
+        # after the stop: a producer may publish between the last step and stop(), and --record keeps it
+        stats = engine.get_stats()
         # the source alone, now that nothing else runs: the reference for the stream's episodes/s
         bare = measure_bare_rate(source) if isinstance(source, CameraSourceSpec) else None
         checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
