@@ -326,7 +326,7 @@ class DatasetWriter:
         """``stats.json`` then ``info.json``, each replaced atomically."""
         meta = self.root / "meta"
         if self.stats:
-            write_json(meta / "stats.json", stats_to_json(self.stats))
+            write_json(meta / "stats.json", stats_to_json(self.stats), indent=None)
         has_video = any(f.dtype == "video" for f in self.features)
         info = {
             "codebase_version": CODEBASE_VERSION,
@@ -442,7 +442,7 @@ def repair(root: Path | str) -> dict[str, Any]:
     stats = {}
     if episode_stats:
         stats = {key: aggregate_stats([s[key] for s in episode_stats]) for key in meta.stats_keys}
-        write_json(root / "meta" / "stats.json", stats_to_json(stats))
+        write_json(root / "meta" / "stats.json", stats_to_json(stats), indent=None)
     info.update(
         total_episodes=len(meta.episodes),
         total_frames=total_frames,
