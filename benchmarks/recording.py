@@ -10,11 +10,14 @@ Run: ``python benchmarks/recording.py`` (about 6 minutes on 2 vCPUs); ``--quick`
    put on the ratio when the producers fill every core: producer / (producer + recorder).
 2. ``sample_batch(256, 16)`` in the trainer while the producers refill continuously (the demo's setting,
    with ``demo --record``'s groups of 8 episodes), without and with the recorder: batches/s. Target: >= 0.90.
+   The trainer process (sampler and recorder threads) is pinned to one core, the producers to the rest;
+   the rates count the sampling loop's own time.
 3. Replay: episodes/s that ``LeRobotSpec`` streams into an engine (2 producers) from the datasets of 1.
 
 **Phases, not separate runs.** Each measurement runs one engine and alternates phases of ``--seconds``
-without and with a recorder on it (a new recorder per phase, appending to one dataset; its ``close()``,
-the last group's flush, belongs to its phase), in the order without-with, then with-without, and so on.
+(``--sampling-seconds`` in 2) without and with a recorder on it (a new recorder per phase, appending to
+one dataset; in 1 its ``close()``, the last group's flush, belongs to its phase), in the order
+without-with, then with-without, and so on.
 On a shared 2-vCPU VM the host's speed drifts by tens of percent over a minute; separate 20-second runs
 of each candidate put that drift into the ratio, adjacent short phases of one engine mostly cancel it.
 Each ratio is the median over pairs of adjacent phases (every pair's ratio is printed too); the rates are
@@ -52,6 +55,10 @@ class Args:
     workers: int = 2
     video_codec: str = "h264"
     """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
+    sampling_seconds: float = 1.0
+    """Seconds per phase of the sampling section (with the trainer pinned, short phases vary little)."""
+    sampling_rounds: int = 40
+    """Pairs of phases of the sampling section."""
     flush_every: int | None = None
     """The recorder's episodes per group of files; default: what each command uses (``simstream record``:
     the recorder's default, 32; ``demo --record``, the sampling section: ``TRAINING_FLUSH_EVERY``, 8)."""
@@ -141,9 +148,37 @@ def production(source, args: Args, record: Path) -> tuple[list[dict], list[dict]
         return _alternate(engine, args, record, args.flush_every, measure)
 
 
+def _pin_threads(pid: int, cpus: set[int]) -> None:
+    """Restrict every thread of ``pid`` to ``cpus`` (an affinity is per thread on Linux; threads
+    started later inherit their creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
+def _trainer_core(engine) -> tuple[set[int], set[int]] | None:
+    """Give this process (the trainer: sampler and recorder threads) one core and the producers the
+    others; ``None`` on a machine with one core or where affinities cannot be set."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return None
+    trainer, producers = {cpus[0]}, set(cpus[1:])
+    _pin_threads(os.getpid(), trainer)
+    for pid in _producer_pids(engine):
+        _pin_threads(pid, producers)
+    return trainer, producers
+
+
 def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
     """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously, and the fresh
-    episodes/s they published meanwhile, per phase without and with the recorder."""
+    episodes/s they published meanwhile, per phase without and with the recorder.
+
+    The trainer process has a core of its own and the producers the others, as on a training machine.
+    Unpinned, three busy threads on two cores put the sampler on a core of its own for a while, then on
+    a core it shares, as the kernel balances them: single phases varied from 0.6 to 1.5 times their
+    neighbour's rate, which swamped the recorder's few percent."""
     from simstream.bc.recording import TRAINING_FLUSH_EVERY
 
     def measure(engine):
@@ -151,16 +186,25 @@ def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
         while time.monotonic() - began < args.seconds:
             engine.sample_batch(256, 16)
             batches += 1
+        # The rates are over the sampling loop alone: a trainer samples while its recorder runs, not
+        # while the phase's recorder closes (its last flush would count as time without batches).
+        elapsed = time.monotonic() - began
+        episodes = engine.get_stats()["successful_episodes"] - first
 
         def finish() -> dict[str, float]:
-            elapsed = time.monotonic() - began
-            episodes = engine.get_stats()["successful_episodes"] - first
             return {"batches_per_s": batches / elapsed, "episodes_per_s": episodes / elapsed}
 
         return finish
 
+    args = dataclasses.replace(args, seconds=args.sampling_seconds, rounds=args.sampling_rounds)
+    everywhere = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     with _engine(source, args.workers, 64, manual=False) as engine:
-        return _alternate(engine, args, record, args.flush_every or TRAINING_FLUSH_EVERY, measure)
+        try:
+            _trainer_core(engine)
+            return _alternate(engine, args, record, args.flush_every or TRAINING_FLUSH_EVERY, measure)
+        finally:
+            if everywhere is not None:
+                _pin_threads(os.getpid(), everywhere)
 
 
 def replay(root: Path, args: Args) -> float:
@@ -189,11 +233,16 @@ def run(args: Args) -> int:
 
     torch.set_num_threads(1)
     if args.quick:
-        args = dataclasses.replace(args, seconds=1.0, rounds=1)
+        args = dataclasses.replace(args, seconds=1.0, rounds=1, sampling_seconds=1.0, sampling_rounds=1)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
     video = f"64x64 video ({args.video_codec})"
     sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}
-    flags = " --quick" if args.quick else f" --seconds {args.seconds:g} --rounds {args.rounds}"
+    flags = (
+        " --quick"
+        if args.quick
+        else f" --seconds {args.seconds:g} --rounds {args.rounds}"
+        f" --sampling-seconds {args.sampling_seconds:g} --sampling-rounds {args.sampling_rounds}"
+    )
     flags += f" --video-codec {args.video_codec}" + (
         f" --flush-every {args.flush_every}" if args.flush_every else ""
     )
@@ -242,7 +291,8 @@ def run(args: Args) -> int:
         pairs = _pair_ratios(plain, recorded, "batches_per_s")
         fresh = _pair_ratios(plain, recorded, "episodes_per_s")
         print(
-            "\n| sample_batch(256, 16), refilling | batches/s without | with recorder | ratio (>= 0.90) "
+            "\n| sample_batch(256, 16), refilling (trainer on a core of its own) | batches/s without "
+            "| with recorder | ratio (>= 0.90) "
             "| pairs' ratios |"
         )
         print("|---|---:|---:|---:|---|")
