@@ -111,7 +111,7 @@ class LockDeathRunner(AsyncRunner):
         import signal
 
         heartbeat()
-        ring._lock.acquire()
+        ring._lock.acquire(None)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def learn(self, max_iterations: int = 1, save_interval: int = 50, log_dir: str | None = None):

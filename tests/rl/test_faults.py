@@ -174,7 +174,8 @@ def test_collector_returning_without_being_asked_is_a_death():
 
 
 def test_a_collector_killed_holding_the_ring_lock_is_reported_as_dead():
-    """The learner's lock wait gives up (a bounded TimeoutError), then finds the dead collector."""
+    """The kernel releases the lock of a killed holder: the learner takes it, then finds the dead
+    collector."""
     runner = LockDeathRunner()
     try:
         with pytest.raises(CollectorDiedError, match=r"killed by signal 9 \(SIGKILL\)") as caught:

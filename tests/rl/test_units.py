@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from simstream.rl import (
     WeightBuffer,
     format_collector_death,
 )
+from simstream.rl import ring as ring_module
 from simstream.rl.appo import PPOLoss, check_finite, ppo_loss, vtrace
 from simstream.rl.learner import APPOLearner
 from simstream.rl.model import ActorCritic, ObsNormalizer, pack_policy, packed_size, unpack_policy
@@ -214,6 +218,50 @@ def test_ring_commit_requires_a_claimed_slot():
     with pytest.raises(RuntimeError, match="not held by the writer"):
         ring.commit(0, 0)
     assert READY not in ring.states()
+
+
+def _hold_ring_lock(ring: RolloutRing, taken) -> None:
+    """Child process: take the ring's lock, say so, and keep it until killed."""
+    ring._lock.acquire(None)
+    taken.set()
+    threading.Event().wait()
+
+
+def _child_holding_the_ring_lock(ring: RolloutRing):
+    taken = CTX.Event()
+    child = CTX.Process(target=_hold_ring_lock, args=(ring, taken), daemon=True)
+    child.start()
+    assert taken.wait(60.0), "the child never took the ring's lock"
+    return child
+
+
+def test_ring_lock_of_a_killed_holder_is_released():
+    ring = _ring()
+    _write(ring, 5.0, 1)
+    child = _child_holding_the_ring_lock(ring)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(60.0)
+    assert child.exitcode == -signal.SIGKILL
+    taken = ring.take(max_count=1)  # the kernel dropped the dead child's lock: no wait, no TimeoutError
+    assert [t.version for t in taken] == [1]
+    assert ring.gather(taken)["x"][0].tolist() == [5.0] * 4
+
+
+def test_ring_lock_held_by_a_stopped_process_times_out(monkeypatch):
+    monkeypatch.setattr(ring_module, "_LOCK_TIMEOUT_S", 0.3)
+    ring = _ring()
+    _write(ring, 0.0, 0)
+    child = _child_holding_the_ring_lock(ring)
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        stuck = r"RolloutRing lock held for more than 0.3 s .* stopped or stuck"
+        with pytest.raises(TimeoutError, match=stuck):
+            ring.take(max_count=1)
+        assert ring.states() == [READY, FREE, FREE]  # nothing changed
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(60.0)
+    assert [t.version for t in ring.take(max_count=1)] == [0]  # usable again once the holder is gone
 
 
 @pytest.mark.parametrize(("slots", "overflow"), [(1, "block"), (2, "lossy")])

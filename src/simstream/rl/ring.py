@@ -6,14 +6,17 @@ Every slot has a state, a sequence number and the policy version that produced i
                                 ^                               |
                                 +--- drop_oldest overflow ------+   (counted; READING is never taken back)
 
-State changes happen under one lock whose every acquire is bounded. The writer only ever writes a slot it
-holds in ``WRITING``, and a slot in ``READING`` belongs to the reader until it frees it, so a copy is never
-torn (UniLab's ring could overwrite the slot being read, reference §7.3). The reader re-checks the
-slot's ``(state, seq)`` after copying anyway, and raises if the invariant was ever broken.
+State changes happen under one :class:`~simstream._sync.SharedLock`, which the kernel releases when its
+holder dies (a collector SIGKILLed while holding it wedges nobody), and whose every acquire is bounded
+(a holder that is stopped, not dead, makes the other side raise ``TimeoutError``). The writer only ever
+writes a slot it holds in ``WRITING``, and a slot in ``READING`` belongs to the reader until it frees it,
+so a copy is never torn (UniLab's ring could overwrite the slot being read, reference §7.3). The reader
+re-checks the slot's ``(state, seq)`` after copying anyway, and raises if the invariant was ever broken.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +24,17 @@ from typing import Literal
 
 import torch
 
+from .._sync import SharedLock
+
 __all__ = ["RingStats", "RolloutRing", "TakenSlot"]
 
 FREE, WRITING, READY, READING = 0, 1, 2, 3
 _STATE, _SEQ, _VERSION = 0, 1, 2
 _NEXT_SEQ, _COMMITTED, _DROPPED_OVERFLOW, _DROPPED_STALE, _CONSUMED = range(5)
 _LOCK_TIMEOUT_S = 5.0
+"""Longest wait for the ring's lock; every holder keeps it for microseconds, so only a stopped one (a
+dead one released it) makes a wait this long."""
+_LOCK_SLICE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -82,20 +90,23 @@ class RolloutRing:
         }
         self._meta = torch.zeros((num_slots, 3), dtype=torch.int64).share_memory_()
         self._counters = torch.zeros(5, dtype=torch.int64).share_memory_()
-        self._lock = ctx.Lock()
+        self._lock = SharedLock()
         self._filled = ctx.Semaphore(0)  # doorbell rung by commit(); spurious wake-ups are harmless
         self._freed = ctx.Semaphore(0)  # doorbell rung whenever a slot becomes FREE
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        if not self._lock.acquire(timeout=_LOCK_TIMEOUT_S):
-            raise TimeoutError(
-                f"RolloutRing lock not released within {_LOCK_TIMEOUT_S} s: the other process died holding it"
-            )
-        try:
+        deadline = time.monotonic() + _LOCK_TIMEOUT_S
+
+        def check() -> None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"RolloutRing lock held for more than {_LOCK_TIMEOUT_S} s by another process: it is "
+                    "stopped or stuck (a process that dies holding the lock releases it)"
+                )
+
+        with self._lock.held(check, _LOCK_SLICE_S):
             yield
-        finally:
-            self._lock.release()
 
     # ----------------------------------------------------------------- writer (collector)
     def acquire(
