@@ -16,7 +16,7 @@ import weakref
 
 from ..errors import OnlineDataWorkerError, add_note
 from ..workers.channel import describe_exit
-from ..workers.supervisor import WorkerSpec, WorkerSupervisor, preparing_worker_process
+from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
 from .state import OnlineDataEngineState as State
 
 __all__ = ["EngineLifecycle"]
@@ -92,11 +92,7 @@ class EngineLifecycle:
             Exception: a producer's original exception (or ``OnlineDataWorkerError``).
         """
         self._require_owner("start")
-        if preparing_worker_process():
-            raise RuntimeError(
-                "OnlineDataEngine.start() was called while Python was preparing a worker process, which "
-                'imports the main module again: start the engine under `if __name__ == "__main__":`.'
-            )
+        refuse_in_preparing_child("OnlineDataEngine.start() was called", "start the engine")
         with self._lifecycle:
             state = self.state
             if state is not State.CREATED:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
-from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor, preparing_worker_process
+from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
 from .config import RunnerConfig
 from .crash_log import CrashLog
 from .diagnosis import CollectorHangError, format_collector_death, format_collector_hang
@@ -147,11 +147,7 @@ class AsyncRunner(ABC):
         self._raise_if_closed()
         if self._supervisor is not None:
             raise RuntimeError(f"{type(self).__name__}: the collector was already started")
-        if preparing_worker_process():
-            raise RuntimeError(
-                f"{type(self).__name__} started its collector while Python was preparing a worker process, "
-                'which imports the main module again: train under `if __name__ == "__main__":`.'
-            )
+        refuse_in_preparing_child(f"{type(self).__name__} started its collector", "train")
         cfg = self.runner_config
         self._crash_log = CrashLog(crash_dir)
         self._channel = ErrorChannel(_SPAWN)

@@ -37,6 +37,7 @@ __all__ = [
     "bootstrap_note",
     "owner_watch",
     "preparing_worker_process",
+    "refuse_in_preparing_child",
     "worker_entry",
 ]
 
@@ -106,6 +107,21 @@ def preparing_worker_process() -> bool:
     module again there: starting workers then is the mistake :func:`bootstrap_note` explains (the flag is
     the one multiprocessing itself checks before refusing to start a process)."""
     return bool(getattr(mp.process.current_process(), "_inheriting", False))
+
+
+def refuse_in_preparing_child(action: str, remedy: str) -> None:
+    """Raise ``RuntimeError`` when called while Python prepares a worker process (see
+    :func:`preparing_worker_process`): starting workers there would start them again in every child.
+
+    Args:
+        action: What was attempted, as the message's subject (``"OnlineDataEngine.start() was called"``).
+        remedy: What to put under the main guard (``"start the engine"``).
+    """
+    if preparing_worker_process():
+        raise RuntimeError(
+            f"{action} while Python was preparing a worker process, which imports the main module again: "
+            f'{remedy} under `if __name__ == "__main__":`.'
+        )
 
 
 def bootstrap_note(start_method: str, exitcode: int | None) -> str:
