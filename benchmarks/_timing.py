@@ -24,6 +24,7 @@ __all__ = [
     "describe_machine",
     "interleaved_rates",
     "latency_ms",
+    "pin_process",
     "process_cpu_seconds",
     "ratio",
     "set_single_thread",
@@ -80,6 +81,16 @@ class Rates:
 
     def __contains__(self, name: str) -> bool:
         return name in self.rounds
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus`` (``os.sched_setaffinity(pid)`` alone moves one
+    thread; threads started later inherit their creator's affinity)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def process_cpu_seconds(pids: Iterable[int]) -> float:

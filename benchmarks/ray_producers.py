@@ -52,6 +52,7 @@ from _timing import (
     Table,
     call_rate,
     check,
+    pin_process,
     print_header,
     process_cpu_seconds,
     ratio,
@@ -145,15 +146,6 @@ TRAINER_CPUS = {0}
 def cluster_cpus() -> set[int]:
     """Every CPU but the trainer's."""
     return set(range(os.cpu_count() or 1)) - TRAINER_CPUS
-
-
-def pin_process(pid: int, cpus: set[int]) -> None:
-    """Pin every thread of process ``pid`` (``os.sched_setaffinity(pid)`` alone moves one thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
 
 
 def ingest_pid(engine: OnlineDataEngine) -> int:

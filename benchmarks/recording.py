@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import tyro
 
-from _timing import process_cpu_seconds
+from _timing import pin_process, process_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -148,27 +148,14 @@ def production(source, args: Args, record: Path) -> tuple[list[dict], list[dict]
         return _alternate(engine, args, record, args.flush_every, measure)
 
 
-def _pin_threads(pid: int, cpus: set[int]) -> None:
-    """Restrict every thread of ``pid`` to ``cpus`` (an affinity is per thread on Linux; threads
-    started later inherit their creator's)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError):
-            pass  # a thread that ended meanwhile
-
-
-def _trainer_core(engine) -> tuple[set[int], set[int]] | None:
-    """Give this process (the trainer: sampler and recorder threads) one core and the producers the
-    others; ``None`` on a machine with one core or where affinities cannot be set."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+def _give_the_trainer_a_core(engine, cpus: list[int]) -> None:
+    """Pin this process (the trainer: sampler and recorder threads) to the first of ``cpus`` and the
+    producers to the others; nothing on a machine with one core."""
     if len(cpus) < 2:
-        return None
-    trainer, producers = {cpus[0]}, set(cpus[1:])
-    _pin_threads(os.getpid(), trainer)
+        return
+    pin_process(os.getpid(), {cpus[0]})
     for pid in _producer_pids(engine):
-        _pin_threads(pid, producers)
-    return trainer, producers
+        pin_process(pid, set(cpus[1:]))
 
 
 def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
@@ -197,14 +184,13 @@ def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
         return finish
 
     args = dataclasses.replace(args, seconds=args.sampling_seconds, rounds=args.sampling_rounds)
-    everywhere = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    everywhere = os.sched_getaffinity(0)
     with _engine(source, args.workers, 64, manual=False) as engine:
         try:
-            _trainer_core(engine)
+            _give_the_trainer_a_core(engine, sorted(everywhere))
             return _alternate(engine, args, record, args.flush_every or TRAINING_FLUSH_EVERY, measure)
         finally:
-            if everywhere is not None:
-                _pin_threads(os.getpid(), everywhere)
+            pin_process(os.getpid(), everywhere)
 
 
 def replay(root: Path, args: Args) -> float:
