@@ -3,6 +3,8 @@ order, as publishing them one by one; a failure before publication leaves none o
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -164,16 +166,18 @@ def test_the_column_append_checks_shapes_and_kinds():
     assert log.pending() == 0
 
 
-def test_the_ray_ingest_publishes_a_call_like_its_windows_one_by_one():
-    """A call of 3 windows over rows [0, 5) with 2 rows each: windows at 0, 2 and 3 (the last overlaps)
-    go as one group of rows [0, 4) and a group of their own for [3, 5); the result is one-by-one's."""
+@pytest.mark.parametrize("per_call", [3, 1])
+def test_the_ray_ingest_publishes_held_windows_like_one_by_one(per_call):
+    """Windows at rows 0, 2 and 3 (2 rows each over [0, 5); the last overlaps), in one call of 3 or in
+    3 calls of 1 held until the generation's last window arrives: one group of rows [0, 4) and a group
+    of its own for [3, 5); the result is one-by-one's."""
     ingest = pytest.importorskip("simstream.ray.ingest")  # imports ray; starts nothing
     from simstream.ray import RayBackend
     from simstream.ray.actor import WindowPayload
 
     overrides = {"buffer_size": 5, "lifecycle_event_capacity": 20}
     local = _engine(**overrides)
-    via_ray = _engine(**overrides, backend=RayBackend(windows_per_call=3))
+    via_ray = _engine(**overrides, backend=RayBackend(windows_per_call=per_call))
     producers = ingest.RayProducers(via_ray._shared, via_ray.cfg, NUM_ENVS, b"", None)
     producer = producers._producers[0]
     assert producer.starts == [0, 2, 3]
@@ -194,7 +198,12 @@ def test_the_ray_ingest_publishes_a_call_like_its_windows_one_by_one():
                 rows[key][:, :used] = torch.from_numpy(values)
             publisher.finish(start, start + NUM_ENVS, [window], generation)
             publisher.abandon()
-        producers._publish_call(producer, ingest._Call(None, 0, len(payloads), generation), payloads)
+        calls = [payloads] if per_call == 3 else [[payload] for payload in payloads]
+        ids_before = via_ray._shared.index.episode_id.clone()
+        for number, call in enumerate(calls):
+            assert via_ray._shared.progress.worker_completed(0) == generation - 1
+            assert torch.equal(via_ray._shared.index.episode_id, ids_before)  # held windows are invisible
+            producers._hold(producer, ingest._Call(None, number * per_call, len(call), generation), call, 0.0)
         assert via_ray._shared.progress.worker_completed(0) == generation
         expected, actual = _state(local), _state(via_ray)
         assert actual["records"] == expected["records"]
@@ -205,3 +214,58 @@ def test_the_ray_ingest_publishes_a_call_like_its_windows_one_by_one():
             for key, value in expected[part].items():
                 torch.testing.assert_close(actual[part][key], value, rtol=0, atol=0, equal_nan=True)
         assert actual["language"] == expected["language"]
+
+
+def _ray_ingest(**backend):
+    """An unstarted ingest over 3 windows of 2 rows (rows 0, 2, 3), and one payload per window."""
+    ingest = pytest.importorskip("simstream.ray.ingest")  # imports ray; starts nothing
+    from simstream.ray import RayBackend
+    from simstream.ray.actor import WindowPayload
+
+    engine = _engine(buffer_size=5, lifecycle_event_capacity=20, backend=RayBackend(**backend))
+    producers = ingest.RayProducers(engine._shared, engine.cfg, NUM_ENVS, b"", None)
+    payloads = []
+    for number, window in enumerate(_windows(1)):
+        used = max(episode.length for episode in window.episodes)
+        frames = {
+            key: np.full((NUM_ENVS, used, *shape), float(number), dtype=np.float32)
+            for key, shape in (("obs", (3,)), ("actions", (2,)), ("rewards", ()))
+        }
+        payloads.append(WindowPayload(window, frames))
+    return ingest, engine, producers, producers._producers[0], payloads
+
+
+def _published_rows(engine) -> list[int]:
+    return torch.nonzero(engine._shared.index.episode_id >= 0).flatten().tolist()
+
+
+def test_a_full_group_of_held_windows_is_published_at_once():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_windows=2, publish_delay_s=10.0)
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    assert _published_rows(engine) == []
+    producers._hold(producer, ingest._Call(None, 1, 1, 1), payloads[1:2], time.monotonic())
+    assert _published_rows(engine) == [0, 1, 2, 3]  # two windows: the group is full
+    assert engine._shared.progress.worker_completed(0) == 0
+    producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+    assert _published_rows(engine) == [0, 1, 2, 3, 4]
+    assert engine._shared.progress.worker_completed(0) == 1  # the generation's last window: at once
+
+
+def test_held_windows_are_published_once_their_delay_passed():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0.5)
+    now = time.monotonic()
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], now)
+    assert 0 < producers._wait_slice(now) <= 0.5  # the ingest's next wait ends when the window is due
+    producers._publish_overdue()
+    assert _published_rows(engine) == []
+    producer.held_since = now - 0.5  # as if it had arrived half a second ago
+    assert producers._wait_slice(now) == 0
+    producers._publish_overdue()
+    assert _published_rows(engine) == [0, 1]
+    assert producers._wait_slice(now) == ingest._SLICE_S  # nothing held
+
+
+def test_without_a_delay_every_call_is_published_as_it_arrives():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0)
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    assert _published_rows(engine) == [0, 1]

@@ -54,6 +54,21 @@ _BAD_FIELDS = [
         "windows_per_call", 0, r"RayBackend\.windows_per_call must be an int in \[1, 1024\]", id="per-call-0"
     ),
     pytest.param(
+        "publish_windows", 0, r"RayBackend\.publish_windows must be an int in \[1, 1024\]", id="group-0"
+    ),
+    pytest.param(
+        "publish_windows", 1025, r"RayBackend\.publish_windows must be an int in \[1, 1024\]", id="group-big"
+    ),
+    pytest.param(
+        "publish_delay_s", -0.1, r"RayBackend\.publish_delay_s must be a number in \[0, 10\]", id="hold-neg"
+    ),
+    pytest.param(
+        "publish_delay_s",
+        float("inf"),
+        r"RayBackend\.publish_delay_s must be a number in \[0, 10\]",
+        id="hold-inf",
+    ),
+    pytest.param(
         "restart_delay_s", -1, r"RayBackend\.restart_delay_s must be a number in \[0, 3600\]", id="delay"
     ),
     pytest.param(

@@ -14,6 +14,7 @@ __all__ = ["MAX_CALLS_IN_FLIGHT", "MAX_RESTARTS", "RayBackend", "RayProducerErro
 MAX_RESTARTS = 10_000
 MAX_CALLS_IN_FLIGHT = 64
 MAX_WINDOWS_PER_CALL = 1024
+MAX_PUBLISH_DELAY_S = 10.0
 MAX_ACTOR_CPUS = 1024
 MAX_WAIT_S = 1e6
 _OWNER = "RayBackend"
@@ -63,6 +64,15 @@ class RayBackend:
     """Windows one call generates and returns together, in ``[1, 1024]``. Each call costs the trainer a
     fixed amount of Ray overhead (about a millisecond); raise it for sources whose windows take far less
     than that to simulate, so that one trainer absorbs more of them (``BENCHMARKS.md``)."""
+    publish_windows: int = 32
+    """Most windows of one producer the ingest publishes together, in ``[1, 1024]``: windows that arrived
+    from consecutive calls are claimed, written and published as one group (one claim, one lock hold, one
+    lifecycle append), which costs the trainer a fraction of publishing them one by one (``BENCHMARKS.md``,
+    run 8). 1: every call's windows are published as they arrive."""
+    publish_delay_s: float = 0.01
+    """Longest a window that arrived waits for the windows after it, in ``[0, 10]`` seconds, before its
+    group is published. A producer's last window of a generation is published at once, so refills and
+    ``wait_for_generation`` are not delayed; 0: publish every call's windows as they arrive."""
     restart_delay_s: float = 1.0
     """Seconds between losing an actor and starting its replacement, in ``[0, 3600]``."""
     runtime_env: Mapping[str, object] | None = None
@@ -116,6 +126,8 @@ class RayBackend:
         require_number(_OWNER, "start_timeout_s", self.start_timeout_s, 0, MAX_WAIT_S, low_open=True)
         require_int(_OWNER, "calls_in_flight", self.calls_in_flight, 1, MAX_CALLS_IN_FLIGHT)
         require_int(_OWNER, "windows_per_call", self.windows_per_call, 1, MAX_WINDOWS_PER_CALL)
+        require_int(_OWNER, "publish_windows", self.publish_windows, 1, MAX_WINDOWS_PER_CALL)
+        require_number(_OWNER, "publish_delay_s", self.publish_delay_s, 0, MAX_PUBLISH_DELAY_S)
         require_number(_OWNER, "restart_delay_s", self.restart_delay_s, 0, 3600)
         require(
             self.runtime_env is None or isinstance(self.runtime_env, Mapping),

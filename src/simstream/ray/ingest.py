@@ -9,11 +9,14 @@ thread, two Ray producers delivered 0.5 episodes/s while the demo trained, again
 producers. :class:`RayProducers` drives every actor: it asks an actor for a window only while the
 engine's requested generation is ahead of what that producer completed (idle producers stay idle), keeps
 at most ``calls_in_flight`` calls of ``windows_per_call`` windows each per actor, and waits on Ray with
-``ray.wait`` in short slices, holding no lock meanwhile. The windows of a call that arrives are
-published together with :class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their
-rows, the payloads copied in, one write pass, one publication (one lock hold, one lifecycle append), with
-the same records, ids and order as one-by-one publication; a producer's last window, whose rows may
-overlap the one before, is published on its own. The ingest process is the single writer of its
+``ray.wait`` in short slices, holding no lock meanwhile. The windows that arrive from a producer's
+consecutive calls are held for at most ``publish_delay_s`` (up to ``publish_windows`` of them; a
+generation's last window ends the group at once) and published together with
+:class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their rows, the payloads copied
+in, one write pass, one publication (one lock hold, one lifecycle append), with the same records, ids and
+order as one-by-one publication; a producer's last window, whose rows may overlap the one before, is
+published on its own. Held windows are not visible yet; windows held when the engine stops are never
+published, like windows still in flight. The ingest process is the single writer of its
 producers' progress rows.
 Failures:
 
@@ -125,6 +128,11 @@ class _Producer:
     next_number: int = 0
     began_ns: int = 0
     closed: bool = False
+    held: list = field(default_factory=list)
+    """Windows that arrived and wait to be published together: ``held_number, held_number + 1, ...``."""
+    held_number: int = 0
+    held_generation: int = 0
+    held_since: float = 0.0
 
     @property
     def label(self) -> str:
@@ -274,17 +282,33 @@ class RayProducers:
                     if ref is not None:
                         heads[ref] = producer
                 if not heads:
+                    for producer in self._producers:
+                        self._publish_held(producer)
                     progress.wait_for_request(0, _SLICE_S)
                     continue
-                ready, _ = ray.wait(list(heads), num_returns=1, timeout=_SLICE_S)
+                ready, _ = ray.wait(list(heads), num_returns=1, timeout=self._wait_slice(now))
                 for ref in ready:
                     self._receive(heads[ref], ref)
+                self._publish_overdue()
         except Closing:
             pass
         except BaseException as error:
             self._shared.channel.publish(error, "ray-ingest")
         finally:
             progress.notify()
+
+    def _wait_slice(self, now: float) -> float:
+        """How long the next ``ray.wait`` may block: a slice, or less when held windows fall due sooner."""
+        due = min((p.held_since for p in self._producers if p.held), default=None)
+        if due is None:
+            return _SLICE_S
+        return min(_SLICE_S, max(0.0, due + self._backend.publish_delay_s - now))
+
+    def _publish_overdue(self) -> None:
+        now = time.monotonic()
+        for producer in self._producers:
+            if producer.held and now - producer.held_since >= self._backend.publish_delay_s:
+                self._publish_held(producer)
 
     def _issue(self, producer: _Producer, now: float) -> None:
         if producer.actor is None:
@@ -309,8 +333,8 @@ class RayProducers:
         try:
             value = ray.get(ref, timeout=0)
         except RayTaskError as error:  # the source (or the window's check) raised: fatal, as locally
-            original = _original(error)
-            self._shared.channel.publish(original, producer.label)
+            self._publish_held(producer)  # the windows before the failing one are visible, as locally
+            self._shared.channel.publish(_original(error), producer.label)
             raise Closing from None
         except RayError as error:  # the actor, its node or the result was lost
             self._lost(producer, error)
@@ -324,28 +348,53 @@ class RayProducers:
             return
         call = producer.calls.popleft()
         producer.head_since = now
+        self._hold(producer, call, value, now)
+
+    def _hold(self, producer: _Producer, call: _Call, payloads: list[WindowPayload], now: float) -> None:
+        """Keep the windows of a call that arrived with those held before it; publish the group once it
+        is full, ends the generation, or (with ``publish_delay_s == 0``) at once."""
+        if producer.held and (
+            call.generation != producer.held_generation
+            or call.number != producer.held_number + len(producer.held)
+        ):
+            self._publish_held(producer)  # not consecutive (a call cut short by stop): never one group
+        if not producer.held:
+            producer.held_number, producer.held_generation, producer.held_since = (
+                call.number,
+                call.generation,
+                now,
+            )
+        producer.held.extend(payloads)
+        backend = self._backend
+        if (
+            len(payloads) < call.count
+            or call.number + call.count == len(producer.starts)
+            or len(producer.held) >= backend.publish_windows
+            or backend.publish_delay_s == 0
+        ):
+            self._publish_held(producer)
+
+    def _publish_held(self, producer: _Producer) -> None:
+        """Publish the held windows in as few groups as their rows allow: consecutive windows with
+        disjoint rows go together (one claim, one publication); only a producer's last window, which may
+        overlap the one before, starts a group of its own, so every row's records are those of one-by-one
+        publication. A failure (e.g. a reported frame left unwritten) fails the engine, as locally."""
+        payloads, producer.held = producer.held, []
+        number, generation, starts = producer.held_number, producer.held_generation, producer.starts
         try:
-            self._publish_call(producer, call, value)
+            first = 0
+            for offset in range(1, len(payloads) + 1):
+                if (
+                    offset == len(payloads)
+                    or starts[number + offset] != starts[number + offset - 1] + self._num_envs
+                ):
+                    self._publish(producer, number + first, generation, payloads[first:offset])
+                    first = offset
         except Closing:
             raise
-        except Exception as error:  # e.g. a reported frame left unwritten: fails the engine, as locally
+        except Exception as error:
             self._shared.channel.publish(error, producer.label)
             raise Closing from None
-
-    def _publish_call(self, producer: _Producer, call: _Call, payloads: list[WindowPayload]) -> None:
-        """Publish the windows of one call (fewer than asked only when the actor is closing) in as few
-        groups as their rows allow: consecutive windows with disjoint rows go together (one claim, one
-        publication); only a producer's last window, which may overlap the one before, starts a group
-        of its own, so every row's records are those of one-by-one publication."""
-        first = 0
-        for offset in range(1, len(payloads) + 1):
-            number = call.number + offset
-            if (
-                offset == len(payloads)
-                or producer.starts[number] != producer.starts[number - 1] + self._num_envs
-            ):
-                self._publish(producer, call.number + first, call.generation, payloads[first:offset])
-                first = offset
 
     def _publish(
         self, producer: _Producer, number: int, generation: int, payloads: list[WindowPayload]
@@ -390,6 +439,7 @@ class RayProducers:
         return views
 
     def _lost(self, producer: _Producer, error: BaseException) -> None:
+        self._publish_held(producer)  # arrived whole before the loss: as good as any other window
         first = producer.calls[0] if producer.calls else None
         node = producer.node_id
         self._kill(producer)
