@@ -11,7 +11,12 @@ Run inside a private network namespace, where Ray binds to 127.0.0.1 only::
 * **ingest capacity**: a source that costs nothing (payloads the size of ``pick_place`` episodes: 53
   float32 per frame, 60-80 frames, optionally a 3x64x64 uint8 camera) in ``--actors`` actors; the engine's
   published episodes/s against a bare Ray pull loop (the same payloads returned by value from the same
-  number of actors, ``ray.wait``, copied into shared tensors of the same layout, no engine). One node
+  number of actors, ``ray.wait``, copied into shared tensors of the same layout, no engine). The bare
+  loop runs twice: with the engine's own actors (the target's peer: the same objects cross Ray, frames
+  and episode reports, from actors doing the same work, so the ratio measures what the engine adds on
+  the trainer's side) and with actors that return precomputed frames and no reports (what Ray alone
+  moves; on a small machine the engine's actors, which run the producer body, take CPU from the ingest
+  that these do not). One node
   (``ray.init``) and two nodes (``ray.cluster_utils.Cluster``, actors pinned to the second node, so every
   window crosses Ray's object transfer). "Simulation cores one trainer can absorb" is the engine's
   ingest rate divided by one core's ``pick_place`` episodes/s from the production section.
@@ -75,7 +80,13 @@ class Args:
     actors: int = 2
     """Actors of the ingest-capacity section (and bare pull loop)."""
     rows: int = 64
-    """Buffer rows per producer: one generation is this many episodes each."""
+    """Buffer rows per producer in the production and sampling sections: one generation is this many
+    episodes each."""
+    ingest_rows: int = 256
+    """Buffer rows per producer in the ingest section. Every generation ends in a bubble (the last calls
+    drain, the owner asks for the next generation, the first calls of the next one travel) that a bare
+    loop, which has no generations, never pays; at 3,000-4,000 episodes/s a generation of 64 rows per
+    producer lasts about 40 ms and the bubble cost about a tenth of the rate (BENCHMARKS.md, run 8)."""
     windows_per_call: tuple[int, ...] = (1, 8)
     """``RayBackend.windows_per_call`` values of the ingest section (the bare loop returns as many)."""
     sections: tuple[str, ...] = ("production", "ingest", "sampling")
@@ -83,7 +94,7 @@ class Args:
     """Give the trainer's side (ingest process, bare loop driver, sampling thread) CPU 0 of its own."""
 
     def effective(self) -> Args:
-        return replace(self, rounds=1, seconds=0.5, rows=8) if self.quick else self
+        return replace(self, rounds=1, seconds=0.5, rows=8, ingest_rows=8) if self.quick else self
 
 
 @dataclass(frozen=True)
@@ -209,12 +220,27 @@ class _PayloadActor:
 
 
 def bare_pull_rate(
-    image: bool, actors: int, rows: int, seconds: float, resources: dict, per_call: int, pin: bool = False
+    image: bool,
+    actors: int,
+    rows: int,
+    seconds: float,
+    resources: dict,
+    per_call: int,
+    pin: bool = False,
+    producer_actors: bool = False,
 ) -> tuple[float, float]:
     """Episodes/s of ``ray.wait`` over ``actors`` x 2 calls in flight of ``per_call`` episodes each, copied
     into shared tensors, and this process's CPU microseconds per episode; ``pin``: this process on the
-    trainer CPU meanwhile."""
+    trainer CPU meanwhile.
+
+    ``producer_actors``: the actors are the engine's own (:class:`~simstream.ray.actor.ProducerActor`,
+    built from the same spec), so the loop receives exactly what the engine's ingest receives (frames
+    and episode reports, from actors doing the same work) and only copies the frames; otherwise
+    :class:`_PayloadActor`, which returns precomputed frames and no reports."""
+    import cloudpickle
     import ray
+
+    from simstream.ray.actor import ProducerActor
 
     spec = zero_cost_spec(image)
     tensors = {
@@ -223,8 +249,14 @@ def bare_pull_rate(
         ).share_memory_()
         for name, field in spec.fields().items()
     }
-    remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)
-    handles = [remote.remote(image, seed) for seed in range(actors)]
+    if producer_actors:
+        remote = ray.remote(ProducerActor).options(num_cpus=1, resources=resources)
+        spec_bytes = cloudpickle.dumps(spec)
+        handles = [remote.remote(spec_bytes, seed, seed, 3, True) for seed in range(actors)]
+        ray.get([h.build.remote() for h in handles])
+    else:
+        remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)
+        handles = [remote.remote(image, seed) for seed in range(actors)]
     ray.get([h.generate.remote(0, per_call) for h in handles])  # started and warm
     in_flight = {}
     for index, handle in enumerate(handles):
@@ -238,7 +270,8 @@ def bare_pull_rate(
         ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
         for ref in ready:
             index = in_flight.pop(ref)
-            for frames in ray.get(ref):
+            for payload in ray.get(ref):
+                frames = payload.frames if producer_actors else payload
                 target = index * rows + row[index]
                 row[index] = (row[index] + 1) % rows
                 for name, array in frames.items():
@@ -282,30 +315,37 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
     table = Table(
         f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s; trainer-side CPU "
         "per episode: the bare loop's driver, the engine's ingest process)",
-        ["payload", "windows per call", "bare pull loop", "engine", "ratio", "target", "verdict", "MiB/s",
-         "sim cores absorbed", "CPU us/ep bare", "CPU us/ep engine", "CPU ratio",
-         "sim cores per trainer core"],
+        ["payload", "windows per call", "bare loop, engine's actors", "engine", "ratio", "target", "verdict",
+         "bare loop, frames only", "ratio to it", "MiB/s", "sim cores absorbed", "CPU us/ep bare (engine's "
+         "actors / frames only)", "CPU us/ep engine", "CPU ratio (to each)", "sim cores per trainer core"],
     )  # fmt: skip
     for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
         backend = RayBackend(resources=resources, windows_per_call=per_call)
         spec = zero_cost_spec(image)
-        bare, engine = [], []
+        bare, frames_only, engine = [], [], []
         for _ in range(args.rounds):
-            bare.append(
-                bare_pull_rate(image, args.actors, args.rows, args.seconds, resources, per_call, args.pin)
+            pull = partial(
+                bare_pull_rate, image, args.actors, args.ingest_rows, args.seconds, resources, per_call
             )
-            engine.append(engine_rate(spec, args.actors, args.rows, args.seconds, backend, args.pin))
-        bare_rate, engine_eps = (statistics.median(r[0] for r in rates) for rates in (bare, engine))
-        bare_cpu, engine_cpu = (statistics.median(r[1] for r in rates) for rates in (bare, engine))
+            bare.append(pull(args.pin, producer_actors=True))
+            frames_only.append(pull(args.pin))
+            engine.append(engine_rate(spec, args.actors, args.ingest_rows, args.seconds, backend, args.pin))
+        bare_rate, frames_rate, engine_eps = (
+            statistics.median(r[0] for r in rates) for rates in (bare, frames_only, engine)
+        )
+        bare_cpu, frames_cpu, engine_cpu = (
+            statistics.median(r[1] for r in rates) for rates in (bare, frames_only, engine)
+        )
         value = ratio(engine_eps, bare_rate)
         frame_bytes = 53 * 4 + (3 * 64 * 64 if image else 0)  # about 70 frames per episode
         mib_s = engine_eps * 70 * frame_bytes / 2**20
         one = one_core.get(image, float("nan"))  # with the camera: a camera core
         payload = "53 floats + 64x64 camera" if image else "53 floats"
+        cpu_ratios = f"{ratio(bare_cpu, engine_cpu):.2f} / {ratio(frames_cpu, engine_cpu):.2f}"
         table.row(
-            payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), mib_s,
-            ratio(engine_eps, one), bare_cpu, engine_cpu, ratio(bare_cpu, engine_cpu),
-            ratio(ratio(1e6, engine_cpu), one),
+            payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), frames_rate,
+            ratio(engine_eps, frames_rate), mib_s, ratio(engine_eps, one),
+            f"{bare_cpu:.0f} / {frames_cpu:.0f}", engine_cpu, cpu_ratios, ratio(ratio(1e6, engine_cpu), one),
         )  # fmt: skip
 
 
@@ -354,7 +394,8 @@ def main() -> None:
     print_header(
         "Ray producers",
         [sys.executable, *sys.argv],
-        f"rounds={args.rounds}, seconds={args.seconds}, actors={args.actors}, rows per producer={args.rows}, "
+        f"rounds={args.rounds}, seconds={args.seconds}, actors={args.actors}, rows per producer={args.rows} "
+        f"({args.ingest_rows} in the ingest section), "
         f"pin={'trainer on CPU 0, cluster on the rest' if args.pin else 'off'}",
     )
     ray.init(

@@ -269,3 +269,34 @@ def test_without_a_delay_every_call_is_published_as_it_arrives():
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0)
     producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
     assert _published_rows(engine) == [0, 1]
+
+
+def test_a_failing_call_publishes_the_windows_held_before_it_then_fails_with_its_cause(monkeypatch):
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    from ray.exceptions import RayTaskError
+
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    failing = object()
+    producer.calls.append(ingest._Call(failing, 1, 1, 1))
+
+    def get(ref, timeout=None):
+        assert ref is failing
+        raise RayTaskError("generate", "Traceback (most recent call last): ...", ValueError("source broke"))
+
+    monkeypatch.setattr(ingest.ray, "get", get)
+    with pytest.raises(ingest.Closing):
+        producers._receive(producer, failing)
+    assert _published_rows(engine) == [0, 1]  # window 0 arrived whole: visible, as a local producer's
+    error = engine._shared.channel.error()
+    assert type(error) is ValueError and str(error) == "source broke"
+
+
+def test_a_lost_actor_publishes_the_windows_held_and_asks_again_from_the_first_in_flight():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producer.calls.append(ingest._Call(object(), 1, 1, 1))
+    producer.next_number = 2
+    producers._lost(producer, RuntimeError("the node is gone"))
+    assert _published_rows(engine) == [0, 1]
+    assert (producer.restarts, producer.next_generation, producer.next_number) == (1, 1, 1)
+    assert not producer.held and not producer.calls
