@@ -12,11 +12,10 @@ Run inside a private network namespace, where Ray binds to 127.0.0.1 only::
   float32 per frame, 60-80 frames, optionally a 3x64x64 uint8 camera) in ``--actors`` actors; the engine's
   published episodes/s against a bare Ray pull loop (the same payloads returned by value from the same
   number of actors, ``ray.wait``, copied into shared tensors of the same layout, no engine). The bare
-  loop runs twice: with the engine's own actors (the target's peer: the same objects cross Ray, frames
-  and episode reports, from actors doing the same work, so the ratio measures what the engine adds on
-  the trainer's side) and with actors that return precomputed frames and no reports (what Ray alone
-  moves; on a small machine the engine's actors, which run the producer body, take CPU from the ingest
-  that these do not). One node
+  loop runs twice, and every row prints a verdict against each: with the engine's own actors (the same
+  objects cross Ray, frames and episode reports, from actors doing the same work) and with actors that
+  return precomputed frames and no reports (what Ray alone moves; on a small machine the engine's
+  actors, which run the producer body, take CPU from the trainer's side that these do not). One node
   (``ray.init``) and two nodes (``ray.cluster_utils.Cluster``, actors pinned to the second node, so every
   window crosses Ray's object transfer). "Simulation cores one trainer can absorb" is the engine's
   ingest rate divided by one core's ``pick_place`` episodes/s from the production section.
@@ -316,8 +315,9 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s; trainer-side CPU "
         "per episode: the bare loop's driver, the engine's ingest process)",
         ["payload", "windows per call", "bare loop, engine's actors", "engine", "ratio", "target", "verdict",
-         "bare loop, frames only", "ratio to it", "MiB/s", "sim cores absorbed", "CPU us/ep bare (engine's "
-         "actors / frames only)", "CPU us/ep engine", "CPU ratio (to each)", "sim cores per trainer core"],
+         "bare loop, frames only", "ratio to it", "verdict to it", "MiB/s", "sim cores absorbed",
+         "CPU us/ep bare (engine's actors / frames only)", "CPU us/ep engine", "CPU ratio (to each)",
+         "sim cores per trainer core"],
     )  # fmt: skip
     for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
         backend = RayBackend(resources=resources, windows_per_call=per_call)
@@ -344,7 +344,8 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         cpu_ratios = f"{ratio(bare_cpu, engine_cpu):.2f} / {ratio(frames_cpu, engine_cpu):.2f}"
         table.row(
             payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), frames_rate,
-            ratio(engine_eps, frames_rate), mib_s, ratio(engine_eps, one),
+            ratio(engine_eps, frames_rate), check(ratio(engine_eps, frames_rate), 0.80), mib_s,
+            ratio(engine_eps, one),
             f"{bare_cpu:.0f} / {frames_cpu:.0f}", engine_cpu, cpu_ratios, ratio(ratio(1e6, engine_cpu), one),
         )  # fmt: skip
 

@@ -216,16 +216,20 @@ def test_the_ray_ingest_publishes_held_windows_like_one_by_one(per_call):
         assert actual["language"] == expected["language"]
 
 
-def _ray_ingest(**backend):
-    """An unstarted ingest over 3 windows of 2 rows (rows 0, 2, 3), and one payload per window."""
+def _ray_ingest(buffer_size: int = 5, **backend):
+    """An unstarted ingest over the windows of 2 rows that ``buffer_size`` rows hold (5: rows 0, 2, 3),
+    and one payload per window."""
     ingest = pytest.importorskip("simstream.ray.ingest")  # imports ray; starts nothing
     from simstream.ray import RayBackend
     from simstream.ray.actor import WindowPayload
 
-    engine = _engine(buffer_size=5, lifecycle_event_capacity=20, backend=RayBackend(**backend))
+    engine = _engine(
+        buffer_size=buffer_size, lifecycle_event_capacity=4 * buffer_size, backend=RayBackend(**backend)
+    )
     producers = ingest.RayProducers(engine._shared, engine.cfg, NUM_ENVS, b"", None)
+    windows = _windows(1) + _windows(2)
     payloads = []
-    for number, window in enumerate(_windows(1)):
+    for number, window in enumerate(windows[: len(producers._producers[0].starts)]):
         used = max(episode.length for episode in window.episodes)
         frames = {
             key: np.full((NUM_ENVS, used, *shape), float(number), dtype=np.float32)
@@ -300,3 +304,49 @@ def test_a_lost_actor_publishes_the_windows_held_and_asks_again_from_the_first_i
     assert _published_rows(engine) == [0, 1]
     assert (producer.restarts, producer.next_generation, producer.next_number) == (1, 1, 1)
     assert not producer.held and not producer.calls
+
+
+def test_a_group_never_grows_past_publish_windows_across_calls(monkeypatch):
+    """Calls of 2 windows with ``publish_windows=3``: the second call does not join the first's group."""
+    ingest, engine, producers, producer, payloads = _ray_ingest(
+        buffer_size=8, windows_per_call=2, publish_windows=3, publish_delay_s=10.0
+    )
+    assert producer.starts == [0, 2, 4, 6]
+    groups = []
+    publish = producers._publish
+
+    def spy(producer, number, generation, group):
+        groups.append((number, len(group)))
+        publish(producer, number, generation, group)
+
+    monkeypatch.setattr(producers, "_publish", spy)
+    producers._hold(producer, ingest._Call(None, 0, 2, 1), payloads[:2], time.monotonic())
+    assert groups == []
+    producers._hold(producer, ingest._Call(None, 2, 2, 1), payloads[2:], time.monotonic())
+    assert groups == [(0, 2), (2, 2)]
+    assert _published_rows(engine) == list(range(8))
+
+
+def test_a_call_past_its_timeout_publishes_the_windows_held_then_fails_naming_the_producer():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0, call_timeout_s=5.0)
+    from simstream.ray import RayProducerError
+
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producer.calls.append(ingest._Call(object(), 1, 1, 1))
+    producer.head_since = time.monotonic() - 6.0
+    with pytest.raises(ingest.Closing):
+        producers._check_timeout(producer, time.monotonic())
+    assert _published_rows(engine) == [0, 1]
+    error = engine._shared.channel.error()
+    assert type(error) is RayProducerError
+    assert "producer-0" in str(error) and "call_timeout_s=5.0" in str(error) and "timed out" in str(error)
+
+
+def test_production_time_counts_from_the_generation_s_first_call_to_its_last_window():
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    producer.began_ns[1] = time.monotonic_ns() - 250_000_000  # generation 1's first call: 0.25 s ago
+    for number in range(3):
+        producers._hold(producer, ingest._Call(None, number, 1, 1), payloads[number : number + 1], 0.0)
+    production_ns = engine._shared.progress.snapshot()["production_ns"]
+    assert 250_000_000 <= production_ns < 60_000_000_000
+    assert producer.began_ns == {}

@@ -68,7 +68,8 @@ class RayBackend:
     """Most windows of one producer the ingest publishes together, in ``[1, 1024]``: windows that arrived
     from consecutive calls are claimed, written and published as one group (one claim, one lock hold, one
     lifecycle append), which costs the trainer a fraction of publishing them one by one (``BENCHMARKS.md``,
-    run 8). 1: every call's windows are published as they arrive."""
+    run 8). The windows of one call always go together, so a call of more windows makes a larger group;
+    1: every call's windows are published as they arrive."""
     publish_delay_s: float = 0.01
     """Longest a window that arrived waits for the windows after it, in ``[0, 10]`` seconds, before its
     group is published. A producer's last window of a generation is published at once, so refills and

@@ -126,7 +126,8 @@ class _Producer:
     """When the oldest outstanding call (or the build) became the one its actor works on."""
     next_generation: int = 1
     next_number: int = 0
-    began_ns: int = 0
+    began_ns: dict[int, int] = field(default_factory=dict)
+    """Generation -> when its first call was issued (``production_ns``, as a local producer times it)."""
     closed: bool = False
     held: list = field(default_factory=list)
     """Windows that arrived and wait to be published together: ``held_number, held_number + 1, ...``."""
@@ -323,6 +324,8 @@ class RayProducers:
             if not producer.calls:
                 producer.head_since = now
             count = min(per_call, len(producer.starts) - producer.next_number)
+            if producer.next_number == 0:
+                producer.began_ns.setdefault(producer.next_generation, time.monotonic_ns())
             ref = producer.actor.generate.remote(producer.next_number, count)
             producer.calls.append(_Call(ref, producer.next_number, count, producer.next_generation))
             producer.next_number += count
@@ -353,11 +356,13 @@ class RayProducers:
     def _hold(self, producer: _Producer, call: _Call, payloads: list[WindowPayload], now: float) -> None:
         """Keep the windows of a call that arrived with those held before it; publish the group once it
         is full, ends the generation, or (with ``publish_delay_s == 0``) at once."""
+        backend = self._backend
         if producer.held and (
             call.generation != producer.held_generation
             or call.number != producer.held_number + len(producer.held)
+            or len(producer.held) + len(payloads) > backend.publish_windows
         ):
-            self._publish_held(producer)  # not consecutive (a call cut short by stop): never one group
+            self._publish_held(producer)  # not consecutive (a safety check), or the group would be too big
         if not producer.held:
             producer.held_number, producer.held_generation, producer.held_since = (
                 call.number,
@@ -365,7 +370,6 @@ class RayProducers:
                 now,
             )
         producer.held.extend(payloads)
-        backend = self._backend
         if (
             len(payloads) < call.count
             or call.number + call.count == len(producer.starts)
@@ -401,8 +405,6 @@ class RayProducers:
     ) -> None:
         """Publish consecutive windows ``number, number + 1, ...`` (disjoint rows) together."""
         progress = self._shared.progress
-        if number == 0:
-            producer.began_ns = time.monotonic_ns()
         num_envs = self._num_envs
         start = producer.starts[number]
         end = start + num_envs * len(payloads)
@@ -421,7 +423,9 @@ class RayProducers:
         finally:
             publisher.abandon()
         if number + len(payloads) == len(producer.starts):
-            progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - producer.began_ns)
+            began = producer.began_ns.pop(generation, None)
+            if began is not None:
+                progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - began)
             progress.set_worker_completed(producer.index, generation)
 
     def _targets(self, start: int) -> dict[str, np.ndarray | torch.Tensor]:
@@ -474,6 +478,7 @@ class RayProducers:
         if now - producer.head_since <= limit:
             return
         node = producer.node_id
+        self._publish_held(producer)  # arrived whole before the hang: visible, as a local producer's
         self._kill(producer)
         self._fail(
             producer,
