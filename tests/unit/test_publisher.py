@@ -350,3 +350,22 @@ def test_production_time_counts_from_the_generation_s_first_call_to_its_last_win
     production_ns = engine._shared.progress.snapshot()["production_ns"]
     assert 250_000_000 <= production_ns < 60_000_000_000
     assert producer.began_ns == {}
+
+
+def test_closing_between_the_groups_of_held_windows_leaves_the_published_ones_a_prefix(monkeypatch):
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    publisher = producers._publishers[0]
+    begin, calls = publisher.begin, []
+
+    def closing_on_the_second_group(start, end, window_rows=None):
+        calls.append((start, end))
+        return begin(start, end, window_rows) if len(calls) == 1 else False
+
+    monkeypatch.setattr(publisher, "begin", closing_on_the_second_group)
+    producers._hold(producer, ingest._Call(None, 0, 2, 1), payloads[:2], time.monotonic())
+    with pytest.raises(ingest.Closing):
+        producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+    assert calls == [(0, 4), (3, 5)]  # windows 0-1 together; the last window overlaps: a group of its own
+    assert _published_rows(engine) == [0, 1, 2, 3]
+    assert engine._shared.progress.worker_completed(0) == 0  # the generation did not complete
+    assert engine._shared.channel.error() is None  # closing is not a failure
