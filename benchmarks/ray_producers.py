@@ -251,7 +251,10 @@ def bare_pull_rate(
     if producer_actors:
         remote = ray.remote(ProducerActor).options(num_cpus=1, resources=resources)
         spec_bytes = cloudpickle.dumps(spec)
-        handles = [remote.remote(spec_bytes, seed, seed, 3, True) for seed in range(actors)]
+        # the engine's defaults, so that these actors do exactly the work the engine's do
+        attempts = OnlineDataEngineCfg.max_generation_attempts
+        checked = OnlineDataEngineCfg.check_unwritten_frames
+        handles = [remote.remote(spec_bytes, seed, seed, attempts, checked) for seed in range(actors)]
         ray.get([h.build.remote() for h in handles])
     else:
         remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)
