@@ -239,6 +239,9 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
         ({"buffer_size": 1, "num_workers": 2}, "DemoConfig.buffer_size must be >= num_workers (2), got 1"),
         ({"idle_threads": -1}, "DemoConfig.idle_threads must be an int in [0, 256], got -1"),
         ({"idle_threads": 257}, "DemoConfig.idle_threads must be an int in [0, 256], got 257"),
+        ({"ema_decay": 1.0}, "DemoConfig.ema_decay must be a number in [0, 1), got 1.0"),
+        ({"ema_decay": -0.1}, "DemoConfig.ema_decay must be a number in [0, 1), got -0.1"),
+        ({"ema_decay": float("nan")}, "DemoConfig.ema_decay must be a number in [0, 1), got nan"),
         (
             {"ensemble_decay": float("nan")},
             "RolloutConfig.ensemble_decay must be None or a finite number >= 0, got nan",
@@ -296,3 +299,72 @@ def test_noisy_producers_get_more_attempts_per_window():
     assert engine_config(vision).max_generation_attempts == default == 3
     assert engine_config(DemoConfig()).max_generation_attempts == default
     assert engine_config(vision).refill_threshold == 0 and vision.idle_threads == 0  # streams continuously
+
+
+# ---------------------------------------------------------------------------------------- weight average
+def test_weight_average_copies_first_then_blends_with_a_warm_up():
+    """The first update copies; the n-th after it blends with ``min(decay, (1 + n) / (10 + n))``, buffers
+    included; ``decay 0`` keeps no average."""
+    from simstream.bc.train import weight_average
+
+    policy = ChunkPolicy(PolicyConfig(hidden=16, layers=1))
+    assert weight_average(policy, 0.0) is None
+    averaged = weight_average(policy, 0.5)
+    expected = None
+    for step, value in enumerate([1.0, 3.0, -2.0, 5.0] + [0.25] * 20):
+        with torch.no_grad():
+            policy.head.weight.fill_(value)
+            policy.target_mean.fill_(2 * value)
+        averaged.update_parameters(policy)
+        if expected is None:
+            expected = value
+        else:
+            decay = min(0.5, (1.0 + step) / (10.0 + step))  # ``step`` updates came before this one
+            expected = decay * expected + (1 - decay) * value
+        assert torch.allclose(averaged.module.head.weight, torch.full_like(policy.head.weight, expected))
+        assert torch.allclose(averaged.module.target_mean, torch.full_like(policy.target_mean, 2 * expected))
+    assert abs(expected - 0.25) < 1e-3  # after the warm-up the decay is 0.5: the average caught up
+    assert torch.equal(policy.head.weight, torch.full_like(policy.head.weight, 0.25))  # model untouched
+
+
+def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monkeypatch):
+    """``train_policy`` with ``ema_decay`` trains the policy and hands back the average of its weights, not
+    the last ones (a real engine streaming ``pick_place``)."""
+    import time
+
+    from simstream import OnlineDataEngine, OnlineDataEngineCfg
+    from simstream.bc import train as training
+    from simstream.tasks import make_source
+
+    kept = {}
+
+    def recording_average(policy, decay):
+        averaged = weight_average(policy, decay)
+        update = averaged.update_parameters
+
+        def update_and_keep(model):
+            update(model)
+            kept["last"] = {key: value.clone() for key, value in model.state_dict().items()}
+
+        averaged.update_parameters = update_and_keep
+        kept["averaged"] = averaged
+        return averaged
+
+    import tqdm
+
+    weight_average = training.weight_average
+    monkeypatch.setattr(training, "weight_average", recording_average)
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no tqdm monitor thread outliving the test
+    cfg = DemoConfig(steps=12, batch_size=16, hidden=32, layers=1, ema_decay=0.9, eval_episodes_during=0)
+    policy = ChunkPolicy(cfg.policy_config)
+    embedding = HashedTextEmbedding(cfg.text_dim)
+    source = make_source("pick_place", num_envs=1, max_episode_steps=cfg.max_episode_steps)
+    with OnlineDataEngine(OnlineDataEngineCfg(source=source, buffer_size=2, num_workers=1)) as engine:
+        instructions = InstructionTable(engine.language_registry, embedding)
+        training.fit_normalizer(engine, policy, instructions, torch.Generator().manual_seed(0))
+        log = training.train_policy(engine, policy, embedding, cfg, deadline=time.monotonic() + 60)
+    assert log.steps_done == 12 and not log.stopped_early
+    state, last = policy.state_dict(), kept["last"]
+    assert all(torch.equal(state[key], value) for key, value in kept["averaged"].module.state_dict().items())
+    assert not torch.equal(state["head.weight"], last["head.weight"])  # the average, not the last weights
+    assert torch.equal(state["target_std"], last["target_std"])  # constant buffers stay as fitted

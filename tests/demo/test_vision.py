@@ -21,6 +21,7 @@ from simstream.bc.evaluate import RolloutConfig
 from simstream.bc.prefetch import BatchPrefetcher
 from simstream.bc.train import batch_sampler
 from simstream.bc.vision import (
+    ESTIMATE_DIM,
     OBJECT_DIM,
     PROPRIO_DIM,
     VisionPolicy,
@@ -240,6 +241,62 @@ def test_the_trainer_asks_for_the_cube_poses_only_with_the_auxiliary_head():
 def test_demo_config_gives_the_policy_the_auxiliary_head_with_a_positive_weight():
     assert DemoConfig(vision=True, object_aux_weight=0.0).policy_config.object_dim == 0
     assert DemoConfig(vision=True, object_aux_weight=0.5).policy_config.object_dim == OBJECT_DIM
+    estimating = DemoConfig(vision=True, object_aux_weight=0.5, object_input=True).policy_config
+    assert estimating.object_input and estimating.object_dim == OBJECT_DIM
+
+
+# ------------------------------------------------ the head's own cube estimate as an input (object_input)
+def _fitted_estimating_policy() -> tuple[VisionPolicy, object]:
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    data = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
+    policy = _policy(object_dim=OBJECT_DIM, object_input=True)
+    policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask, data.object_targets)
+    return policy, data
+
+
+def test_the_estimate_offsets_are_normalised_with_the_true_offsets_from_the_gripper():
+    policy, data = _fitted_estimating_policy()
+    offsets = data.object_targets - data.proprio[:, -1, 9:12].repeat(1, 3)  # gripper position at the anchor
+    assert torch.allclose(policy.offset_mean, offsets.mean(0))
+    assert torch.allclose(policy.offset_std, offsets.std(0).clamp_min(1e-3))
+
+
+def test_the_action_head_reads_the_estimate_made_from_pixels_not_the_true_cube_poses():
+    policy, data = _fitted_estimating_policy()
+    policy.eval()
+    output = policy(*data.inputs())
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    batch["obs", "objects"] = torch.randn(batch["obs", "objects"].shape) * 100
+    changed = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
+    assert torch.equal(policy(*changed.inputs()), output)  # the true poses change nothing it reads
+    with torch.no_grad():  # a different estimate changes the actions: the head does read it
+        policy.object_head[-1].bias.add_(1.0)
+    assert not torch.allclose(policy(*data.inputs()), output)
+    _, features = policy.forward_with_features(*data.inputs())
+    estimate = policy._estimate_inputs(features, data.proprio[:, -1], data.text)
+    assert estimate.shape == (B, ESTIMATE_DIM)
+    positions = policy.object_head(features) * policy.object_std + policy.object_mean
+    expected = (positions - data.proprio[:, -1, 9:12].repeat(1, 3) - policy.offset_mean) / policy.offset_std
+    assert torch.allclose(estimate[:, OBJECT_DIM : 2 * OBJECT_DIM], expected, atol=1e-6)
+
+
+def test_only_the_auxiliary_loss_trains_the_estimate():
+    """The action loss reaches the instruction's cube selection and the encoders, never the estimate's
+    head: the estimate stays an estimate of where the cubes are."""
+    policy, data = _fitted_estimating_policy()
+    policy(*data.inputs()).pow(2).mean().backward()
+    assert all(p.grad is None for p in policy.object_head.parameters())
+    assert policy.select.weight.grad is not None and policy.select.weight.grad.abs().sum() > 0
+    assert policy.encoders["front"].convs[0].weight.grad.abs().sum() > 0
+
+
+def test_a_checkpoint_of_an_estimating_policy_round_trips(tmp_path):
+    policy, data = _fitted_estimating_policy()
+    policy.eval()
+    checkpoint = PolicyCheckpoint(policy, HashedTextEmbedding(64), "pick_place", RolloutConfig())
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "c.pt", checkpoint)).policy
+    assert loaded.config.object_input and torch.equal(loaded.offset_std, policy.offset_std)
+    assert torch.equal(loaded.eval()(*data.inputs()), policy(*data.inputs()))
 
 
 # ------------------------------------------------------------------------------------- training precision
@@ -342,6 +399,10 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
         ({"action_noise": 1.0}, "DemoConfig.action_noise must be"),
         ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
+        (
+            {"object_aux_weight": 0.0, "object_input": True},
+            "DemoConfig.object_input must be False when object_aux_weight is 0 (the estimate needs its loss)",
+        ),
         ({"precision": "fp8"}, "DemoConfig.precision must be 'float32', 'bfloat16' or 'auto', got 'fp8'"),
     ],
 )
@@ -359,6 +420,7 @@ def test_demo_config_rejects_bad_vision_settings(kwargs, message):
         ({"shift": -1}, "VisionPolicyConfig.shift must be an int in [0, 16], got -1"),
         ({"cameras": ("side",)}, "VisionPolicyConfig.cameras must be a nonempty tuple of distinct cameras"),
         ({"object_dim": 3}, "VisionPolicyConfig.object_dim must be 0 (no auxiliary head) or 9"),
+        ({"object_input": True}, "VisionPolicyConfig.object_input must be False without the auxiliary head"),
     ],
 )
 def test_vision_policy_config_names_the_bad_field(kwargs, message):
@@ -386,6 +448,7 @@ def test_camera_source_names_the_bad_field(kwargs, message):
 def test_vision_preset_then_quick_preset():
     cfg = DemoConfig().with_vision()
     assert cfg.vision and cfg.num_workers == 1 and isinstance(cfg.policy_config, VisionPolicyConfig)
+    assert cfg.policy_config.object_input and cfg.object_aux_weight == 1.0 and cfg.ema_decay == 0.9995
     quick = cfg.with_quick()
     assert quick.quick and quick.steps == 60 and quick.batch_size == 32 and quick.eval_episodes == 4
     assert DemoConfig().with_quick().steps == 150  # the state preset is unchanged

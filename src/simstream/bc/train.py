@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.swa_utils import AveragedModel
 from tqdm import tqdm
 
 from .config import DemoConfig
@@ -34,6 +35,7 @@ __all__ = [
     "fit_normalizer",
     "learning_rate",
     "train_policy",
+    "weight_average",
 ]
 
 DURING_TRAINING_SEED_OFFSET = 10_000
@@ -214,6 +216,9 @@ def train_policy(
 ) -> TrainingLog:
     """Train ``policy`` (normalisation already fitted) on contexts sampled from the running ``engine``.
 
+    With ``cfg.ema_decay > 0`` the checks during training evaluate the moving average of the weights, and
+    ``policy`` ends holding it (what the final evaluation and the checkpoint then use).
+
     Args:
         engine: A READY engine streaming ``cfg.task``.
         policy: The policy to train in place.
@@ -238,6 +243,8 @@ def train_policy(
     else:
         prefetcher = BatchPrefetcher(sample)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    averaged = weight_average(policy, cfg.ema_decay)
+    evaluated = policy if averaged is None else averaged.module
     dtype = cfg.training_dtype
     precision = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
@@ -263,6 +270,8 @@ def train_policy(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             optimizer.step()
+            if averaged is not None:
+                averaged.update_parameters(policy)
             value = loss.item()
             ema = value if math.isnan(ema) else 0.98 * ema + 0.02 * value
             now = time.monotonic()
@@ -290,17 +299,19 @@ def train_policy(
                     refresh=False,
                 )
             if cfg.eval_episodes_during and (step % cfg.eval_every == 0 or step == cfg.steps):
-                _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
+                _check(evaluated, embedding, cfg, log, step, time.monotonic() - began, writer)
             if time.monotonic() >= deadline and step < cfg.steps:
                 log.stopped_early = True
                 if cfg.eval_episodes_during and step % cfg.eval_every != 0:
-                    _check(policy, embedding, cfg, log, step, time.monotonic() - began, writer)
+                    _check(evaluated, embedding, cfg, log, step, time.monotonic() - began, writer)
                 break
     finally:
         torch.set_num_threads(cfg.num_threads)
         prefetcher.close()
         bar.close()
         log.train_time_s = time.monotonic() - began
+    if averaged is not None:
+        policy.load_state_dict(averaged.module.state_dict())
     return log
 
 
@@ -342,3 +353,22 @@ def _check(
     tqdm.write(f"step {step}: closed-loop success {result.success_rate:.0%} over {len(seeds)} episodes")
     if writer is not None:
         writer.add_scalar("eval/success_rate", result.success_rate, step)
+
+
+def weight_average(policy: torch.nn.Module, decay: float) -> AveragedModel | None:
+    """An exponential moving average of ``policy``'s weights and buffers, or ``None`` for ``decay == 0``.
+
+    ``update_parameters(policy)`` after each optimiser step folds the new weights in: the first call copies
+    them, the ``n``-th one after it blends with ``min(decay, (1 + n) / (10 + n))``, so the average of a short
+    run (``--quick``) is not dominated by the initial weights. ``.module`` is a policy with the averaged
+    weights.
+    """
+    if decay == 0:
+        return None
+
+    @torch.no_grad()
+    def blend(averages: list[torch.Tensor], currents: list[torch.Tensor], count: torch.Tensor) -> None:
+        done = float(count)
+        torch._foreach_lerp_(averages, currents, 1.0 - min(decay, (1.0 + done) / (10.0 + done)))
+
+    return AveragedModel(policy, multi_avg_fn=blend, use_buffers=True)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .data import InstructionTable
 
 __all__ = [
+    "ESTIMATE_DIM",
     "OBJECT_DIM",
     "PROPRIO_DIM",
     "VisionBatch",
@@ -62,6 +63,10 @@ PROPRIO_DIM = len(_KEPT_STATE)
 """Joint positions (7), finger openings (2), gripper position (3) and quaternion (4)."""
 
 
+_PROPRIO_TCP = slice(9, 12)
+"""The gripper (TCP) position inside :func:`proprio_features`."""
+
+
 def proprio_features(state: torch.Tensor) -> torch.Tensor:
     """``obs/state [..., 23]`` -> proprioception ``[..., 16]`` (joint velocities left out, as in the MLP)."""
     return state[..., _KEPT_STATE]
@@ -69,6 +74,11 @@ def proprio_features(state: torch.Tensor) -> torch.Tensor:
 
 OBJECT_DIM = 3 * _NUM_CUBES
 """Auxiliary target: the position (3) of each of the three cubes, in ``obs/objects`` order (9 values)."""
+
+
+ESTIMATE_DIM = 2 * OBJECT_DIM + 6
+"""Extra action-head inputs with ``object_input``: estimated cube positions (9), their offsets from the
+gripper (9), and the instructed cube's position and offset (6)."""
 
 
 def object_positions(objects: torch.Tensor) -> torch.Tensor:
@@ -133,6 +143,10 @@ class VisionPolicyConfig:
     object_dim: int = 0
     """Outputs of the auxiliary cube-position head (0: no head; :data:`OBJECT_DIM` with one). A training
     target only: never an input of the policy."""
+    object_input: bool = False
+    """Feed the auxiliary head's own estimate of the cube positions (computed from the camera features),
+    their offsets from the gripper and the instructed cube's slot to the action head, as the state policy
+    reads the true ones. Needs the head (``object_dim > 0``); the true positions stay a training target."""
 
     def __post_init__(self) -> None:
         from simstream.tasks import CAMERAS
@@ -151,6 +165,14 @@ class VisionPolicyConfig:
         require(
             self.object_dim in (0, OBJECT_DIM), "VisionPolicyConfig", "object_dim",
             f"0 (no auxiliary head) or {OBJECT_DIM} (the cube positions)", self.object_dim,
+        )  # fmt: skip
+        require(
+            self.object_input in (False, True), "VisionPolicyConfig", "object_input", "a bool",
+            self.object_input,
+        )  # fmt: skip
+        require(
+            not self.object_input or self.object_dim > 0, "VisionPolicyConfig", "object_input",
+            f"False without the auxiliary head (object_dim {OBJECT_DIM})", self.object_input,
         )  # fmt: skip
 
 
@@ -205,7 +227,7 @@ class VisionPolicy(nn.Module):
             {cam: CameraEncoder(config.channels, config.keypoints, config.text_dim) for cam in config.cameras}
         )
         frame_dim = PROPRIO_DIM + 2 * config.keypoints * len(config.cameras) + 1
-        width = config.history * frame_dim + config.text_dim
+        width = config.history * frame_dim + config.text_dim + (ESTIMATE_DIM if config.object_input else 0)
         self.hidden = nn.ModuleList()
         for _ in range(config.layers):
             self.hidden.append(nn.Linear(width, config.hidden))
@@ -222,6 +244,10 @@ class VisionPolicy(nn.Module):
                 nn.Linear(config.history * frame_dim, config.hidden), nn.GELU(),
                 nn.Linear(config.hidden, config.object_dim),
             )  # fmt: skip
+        if config.object_input:
+            self.register_buffer("offset_mean", torch.zeros(config.object_dim))
+            self.register_buffer("offset_std", torch.ones(config.object_dim))
+            self.select = nn.Linear(config.text_dim, _NUM_CUBES)
 
     @torch.no_grad()
     def fit_normalizer(
@@ -247,6 +273,11 @@ class VisionPolicy(nn.Module):
             )  # fmt: skip
             self.object_mean.copy_(object_targets.mean(0))
             self.object_std.copy_(object_targets.std(0).clamp_min(1e-3))
+        if self.config.object_input:
+            anchor_tcp = proprio[:, -1, _PROPRIO_TCP].repeat(1, _NUM_CUBES)
+            offsets = object_targets - anchor_tcp
+            self.offset_mean.copy_(offsets.mean(0))
+            self.offset_std.copy_(offsets.std(0).clamp_min(1e-3))
 
     def normalize_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Relative actions ``[B, F, 8]`` -> the network's output space."""
@@ -291,10 +322,31 @@ class VisionPolicy(nn.Module):
         inputs = torch.cat(parts, dim=-1) * mask[..., None]
         features = torch.cat([inputs, mask[..., None].to(text.dtype)], dim=-1).flatten(1)
         x = torch.cat([features, text], dim=-1)
+        if self.config.object_input:
+            x = torch.cat([x, self._estimate_inputs(features, proprio[:, -1], text)], dim=-1)
         film = self.film(text).view(-1, len(self.hidden), 2, self.config.hidden)
         for layer, (linear, norm) in enumerate(zip(self.hidden, self.norms)):
             x = nn.functional.gelu(norm(linear(x)) * (1.0 + film[:, layer, 0]) + film[:, layer, 1])
         return self.head(x).view(-1, self.config.horizon, ACTION_DIM), features
+
+    def _estimate_inputs(
+        self, features: torch.Tensor, tcp_state: torch.Tensor, text: torch.Tensor
+    ) -> torch.Tensor:
+        """The head's extra inputs with ``object_input``: the estimated cube positions, their offsets from
+        the gripper at the anchor frame, and the instructed cube's slot (both, normalised), ``[B, 24]``.
+
+        The estimate is detached: the action loss reads it but only the auxiliary loss trains it, so it
+        stays an estimate of where the cubes are.
+        """
+        estimate = self.object_head(features).detach().float()
+        positions = estimate * self.object_std + self.object_mean
+        offsets = positions - tcp_state[:, _PROPRIO_TCP].float().repeat(1, _NUM_CUBES)
+        offsets = (offsets - self.offset_mean) / self.offset_std
+        slots = torch.cat(
+            [estimate.unflatten(-1, (_NUM_CUBES, 3)), offsets.unflatten(-1, (_NUM_CUBES, 3))], -1
+        )
+        selected = (slots * self.select(text).float().softmax(-1)[..., None]).sum(-2)
+        return torch.cat([estimate, offsets, selected], dim=-1).to(text.dtype)
 
     @torch.no_grad()
     def act(
