@@ -201,10 +201,21 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             else ""
         )
         + (
-            " During training only, an auxiliary head learned to predict the cubes' positions from the "
-            f"camera features (weight {cfg['object_aux_weight']:g}): a target like the actions, never an "
-            "input."
+            " An auxiliary head learned to predict the cubes' positions from the camera features "
+            f"(weight {cfg['object_aux_weight']:g}); the true positions were a training target like the "
+            "actions, never an input"
+            + (
+                ", and the policy read the head's own estimate, made from pixels."
+                if cfg.get("object_input")
+                else "."
+            )
             if summary.get("vision") and cfg.get("object_aux_weight")
+            else ""
+        )
+        + (
+            f" The checks, the final evaluation and the checkpoint used a moving average of the weights "
+            f"(decay {cfg['ema_decay']:g})."
+            if cfg.get("ema_decay")
             else ""
         )
         + (
