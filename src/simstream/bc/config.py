@@ -161,7 +161,7 @@ class DemoConfig:
         require(
             self.object_input in (False, True) and (not self.object_input or self.object_aux_weight > 0),
             "DemoConfig", "object_input", "False when object_aux_weight is 0 (the estimate needs its loss)",
-            self.object_input,
+            self.object_input, "Pass --no-object-input (object_input=False) with --object-aux-weight 0",
         )  # fmt: skip
         require_number("DemoConfig", "action_noise", self.action_noise, 0, 0.5)
         require_number("DemoConfig", "weight_decay", self.weight_decay, 0)
