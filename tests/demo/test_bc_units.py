@@ -355,7 +355,9 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
     weight_average = training.weight_average
     monkeypatch.setattr(training, "weight_average", recording_average)
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no tqdm monitor thread outliving the test
-    cfg = DemoConfig(steps=12, batch_size=16, hidden=32, layers=1, ema_decay=0.9, eval_episodes_during=0)
+    checked = []
+    monkeypatch.setattr(training, "_check", lambda model, *args: checked.append((model, args[3])))
+    cfg = DemoConfig(steps=12, batch_size=16, hidden=32, layers=1, ema_decay=0.9, eval_every=6)
     policy = ChunkPolicy(cfg.policy_config)
     embedding = HashedTextEmbedding(cfg.text_dim)
     source = make_source("pick_place", num_envs=1, max_episode_steps=cfg.max_episode_steps)
@@ -364,6 +366,8 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
         training.fit_normalizer(engine, policy, instructions, torch.Generator().manual_seed(0))
         log = training.train_policy(engine, policy, embedding, cfg, deadline=time.monotonic() + 60)
     assert log.steps_done == 12 and not log.stopped_early
+    assert [step for _, step in checked] == [6, 12]  # the checks evaluated the average
+    assert all(model is kept["averaged"].module for model, _ in checked)
     state, last = policy.state_dict(), kept["last"]
     assert all(torch.equal(state[key], value) for key, value in kept["averaged"].module.state_dict().items())
     assert not torch.equal(state["head.weight"], last["head.weight"])  # the average, not the last weights

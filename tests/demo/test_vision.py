@@ -256,7 +256,9 @@ def _fitted_estimating_policy() -> tuple[VisionPolicy, object]:
 
 def test_the_estimate_offsets_are_normalised_with_the_true_offsets_from_the_gripper():
     policy, data = _fitted_estimating_policy()
-    offsets = data.object_targets - data.proprio[:, -1, 9:12].repeat(1, 3)  # gripper position at the anchor
+    batch = _context_batch(torch.Generator().manual_seed(0))
+    gripper = batch["obs", "state"][:, H - 1, 16:19]  # the TCP position in obs/state, at the anchor
+    offsets = data.object_targets - gripper.repeat(1, 3)
     assert torch.allclose(policy.offset_mean, offsets.mean(0))
     assert torch.allclose(policy.offset_std, offsets.std(0).clamp_min(1e-3))
 
@@ -288,6 +290,58 @@ def test_only_the_auxiliary_loss_trains_the_estimate():
     assert all(p.grad is None for p in policy.object_head.parameters())
     assert policy.select.weight.grad is not None and policy.select.weight.grad.abs().sum() > 0
     assert policy.encoders["front"].convs[0].weight.grad.abs().sum() > 0
+
+
+def test_the_instruction_selects_the_named_cubes_slot():
+    policy, data = _fitted_estimating_policy()
+    policy.eval()
+    _, features = policy.forward_with_features(*data.inputs())
+    for cube in range(3):
+        with torch.no_grad():
+            policy.select.weight.zero_()
+            policy.select.bias.copy_(torch.full((3,), -1e4))
+            policy.select.bias[cube] = 0.0
+        inputs = policy._estimate_inputs(features, data.proprio[:, -1], data.text)
+        estimate, offsets = inputs[:, :OBJECT_DIM], inputs[:, OBJECT_DIM : 2 * OBJECT_DIM]
+        expected = torch.cat([estimate[:, 3 * cube : 3 * cube + 3], offsets[:, 3 * cube : 3 * cube + 3]], -1)
+        assert torch.allclose(inputs[:, 2 * OBJECT_DIM :], expected)
+
+
+def test_evaluation_hands_a_vision_policy_no_object_pose():
+    """What a vision policy is given in closed loop: its cameras, rendered, and the proprioception; the
+    observation's cube poses could be anything."""
+    import inspect
+
+    from simstream.bc.evaluate import _frame_inputs
+    from simstream.tasks import make_env
+
+    assert "objects" not in inspect.signature(VisionPolicy.forward).parameters
+    policy = _policy(object_dim=OBJECT_DIM, object_input=True)
+    env = make_env("pick_place")
+    try:
+        observation = env.reset(3)
+        poisoned = {**observation, "objects": np.full_like(observation["objects"], np.nan)}
+        frames = _frame_inputs(policy, [env], [observation], [0])
+        without = _frame_inputs(policy, [env], [poisoned], [0])
+    finally:
+        env.close()
+    assert set(frames) == {"proprio", *CAMERAS}
+    assert all(torch.equal(frames[key], without[key]) for key in frames)
+    assert not torch.isnan(without["proprio"]).any()
+
+
+def test_a_checkpoint_from_before_the_estimate_loads_and_a_newer_one_is_refused(tmp_path):
+    policy = _policy(object_dim=OBJECT_DIM)
+    checkpoint = PolicyCheckpoint(policy, HashedTextEmbedding(64), "pick_place", RolloutConfig())
+    path = save_checkpoint(tmp_path / "c.pt", checkpoint)
+    payload = torch.load(path, weights_only=True)
+    del payload["policy_config"]["object_input"]  # as written before the field existed
+    torch.save(payload, path)
+    assert load_checkpoint(path).policy.config.object_input is False
+    payload["policy_config"]["telepathy"] = 1
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="its policy_config does not fit this simstream version's Vision"):
+        load_checkpoint(path)
 
 
 def test_a_checkpoint_of_an_estimating_policy_round_trips(tmp_path):
@@ -399,6 +453,7 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
         ({"object_aux_weight": -0.5}, "DemoConfig.object_aux_weight must be"),
         ({"action_noise": 1.0}, "DemoConfig.action_noise must be"),
         ({"object_aux_weight": float("nan")}, "DemoConfig.object_aux_weight must be"),
+        ({"object_input": 1}, "DemoConfig.object_input must be a bool, got 1"),
         (
             {"object_aux_weight": 0.0, "object_input": True},
             "DemoConfig.object_input must be False when object_aux_weight is 0 (the estimate needs its loss)",
@@ -420,7 +475,8 @@ def test_demo_config_rejects_bad_vision_settings(kwargs, message):
         ({"shift": -1}, "VisionPolicyConfig.shift must be an int in [0, 16], got -1"),
         ({"cameras": ("side",)}, "VisionPolicyConfig.cameras must be a nonempty tuple of distinct cameras"),
         ({"object_dim": 3}, "VisionPolicyConfig.object_dim must be 0 (no auxiliary head) or 9"),
-        ({"object_input": True}, "VisionPolicyConfig.object_input must be False without the auxiliary head"),
+        ({"object_input": True}, "VisionPolicyConfig.object_input must be False unless object_dim is 9"),
+        ({"object_dim": 9, "object_input": 1}, "VisionPolicyConfig.object_input must be a bool, got 1"),
     ],
 )
 def test_vision_policy_config_names_the_bad_field(kwargs, message):

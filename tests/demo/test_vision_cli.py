@@ -48,6 +48,8 @@ def test_vision_quick_writes_report_plots_strip_and_checkpoint(vision_run):
     for path in strips:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({path.name})" in report
     assert "waiting for a batch" in report and "vs the bare source" in report
+    assert "the policy read the head's own estimate, made from pixels" in report
+    assert "moving average of the weights (decay 0.9995)" in report
     checkpoint = load_checkpoint(vision_run / "checkpoint.pt")
     assert isinstance(checkpoint.policy, VisionPolicy)
     assert checkpoint.policy.config.cameras == ("front", "wrist")

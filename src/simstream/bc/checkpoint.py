@@ -67,12 +67,17 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint (expected format {FORMAT!r})")
     kind = payload.get("policy_kind", "state")  # checkpoints written before the vision policy: "state"
-    if kind == "vision":
-        policy: ChunkPolicy | VisionPolicy = VisionPolicy(VisionPolicyConfig(**payload["policy_config"]))
-    elif kind == "state":
-        policy = ChunkPolicy(PolicyConfig(**payload["policy_config"]))
-    else:
+    configs = {"vision": VisionPolicyConfig, "state": PolicyConfig}
+    if kind not in configs:
         raise ValueError(f"{str(path)!r}: unknown policy_kind {kind!r} (expected 'state' or 'vision')")
+    try:  # fields added later take their defaults; a field this version does not know is an error
+        config = configs[kind](**payload["policy_config"])
+    except TypeError as error:
+        raise ValueError(
+            f"{str(path)!r}: its policy_config does not fit this simstream version's "
+            f"{configs[kind].__name__} ({error}); it was written by a newer version"
+        ) from error
+    policy: ChunkPolicy | VisionPolicy = VisionPolicy(config) if kind == "vision" else ChunkPolicy(config)
     policy.load_state_dict(payload["state_dict"])
     policy.eval()
     return PolicyCheckpoint(

@@ -115,9 +115,10 @@ class DemoConfig:
     copied with ``non_blocking``); producers always run on the CPU."""
     ema_decay: float = 0.0
     """Exponential moving average of the weights (as diffusion policy and robomimic keep one): after every
-    step ``average = ema_decay * average + (1 - ema_decay) * weights``. The checks during training, the final
-    evaluation and the checkpoint use the averaged weights; 0 uses the trained weights as they are. In
-    [0, 1); about ``1 / (1 - ema_decay)`` recent steps carry most of the average."""
+    step ``average = d * average + (1 - d) * weights`` with ``d = min(ema_decay, (1 + n) / (10 + n))`` after
+    ``n`` steps (a warm-up, :func:`simstream.bc.train.weight_average`). The checks during training, the
+    final evaluation and the checkpoint use the averaged weights; 0 uses the trained weights as they are.
+    In [0, 1); about ``1 / (1 - ema_decay)`` recent steps carry most of the average."""
     precision: Literal["float32", "bfloat16", "auto"] = "float32"
     """Arithmetic of the training forward and backward passes: ``float32``, or ``bfloat16`` autocast (the
     weights, the optimiser and the loss stay float32; on a CPU it needs native bfloat16 instructions,
@@ -159,7 +160,10 @@ class DemoConfig:
             require_number("DemoConfig", name, getattr(self, name), 0, low_open=True)
         require_number("DemoConfig", "object_aux_weight", self.object_aux_weight, 0, 100)
         require(
-            self.object_input in (False, True) and (not self.object_input or self.object_aux_weight > 0),
+            isinstance(self.object_input, bool), "DemoConfig", "object_input", "a bool", self.object_input
+        )
+        require(
+            not self.object_input or self.object_aux_weight > 0,
             "DemoConfig", "object_input", "False when object_aux_weight is 0 (the estimate needs its loss)",
             self.object_input, "Pass --no-object-input (object_input=False) with --object-aux-weight 0",
         )  # fmt: skip
@@ -314,11 +318,12 @@ VISION_OVERRIDES: dict[str, object] = {
 }
 """What ``--vision`` changes besides ``vision=True``: the conv trainer, not the producers, is the bottleneck
 on 2 cores, so one producer renders while the trainer takes the other core; smaller batches, more steps
-than 30 minutes hold on these machines, so that the time limit, which leaves the final evaluation inside 30
-minutes, ends training on any of them (the learning rate anneals by time as well); the auxiliary
-cube-position loss (a training target only, see :class:`simstream.bc.VisionPolicy`) and the action head
-reading its estimate (``object_input``: 76% against 53-61% over 150 seeds, ``docs/demo.md``); an average
-of the weights (``ema_decay``; a small, uncertain gain in two runs). The producer streams continuously:
+than 30 minutes hold on the 2-vCPU machines measured (11-20 steps/s), so that the time limit, which leaves
+the final evaluation inside 30 minutes, ends training there (the learning rate anneals by time as well);
+the auxiliary cube-position loss (a training target only, see :class:`simstream.bc.VisionPolicy`) and the
+action head reading its estimate (``object_input``: 76-77% against 53-61% over 150 seeds,
+``docs/demo.md``); an average of the weights (``ema_decay``; a small, uncertain gain in two runs). The
+producer streams continuously:
 bursts with the trainer on both cores between them (``refill_threshold=800``, ``idle_threads=2``) took
 40% more steps from half the episodes and ended lower. Perturbed demonstrations (``action_noise``) stay
 opt-in: their full run learned faster early but ended lower (``docs/demo.md``)."""

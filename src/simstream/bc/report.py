@@ -213,8 +213,8 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             else ""
         )
         + (
-            f" The checks, the final evaluation and the checkpoint used a moving average of the weights "
-            f"(decay {cfg['ema_decay']:g})."
+            " Evaluation (the checks during training and the final one) and the checkpoint used a moving "
+            f"average of the weights (decay {cfg['ema_decay']:g})."
             if cfg.get("ema_decay")
             else ""
         )

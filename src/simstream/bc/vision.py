@@ -13,10 +13,11 @@ from a 64 x 64 image. Training applies DrQ's random shift (pad by ``shift`` pixe
 crop back at a random offset per sample).
 
 Optionally (``object_dim > 0``, the demo's ``--object-aux-weight``) a small auxiliary head predicts the
-cubes' positions from the same camera keypoints and proprioception during training. The cube positions are a
-training target only, as the actions are: they never enter :meth:`VisionPolicy.forward`, and evaluation never
-reads them. Supervising where the cubes are teaches the encoders to find them much sooner than the action
-loss alone does.
+cubes' positions from the same camera keypoints and proprioception. The true cube positions are a training
+target only, as the actions are: they never enter :meth:`VisionPolicy.forward`, and evaluation never reads
+them. Supervising where the cubes are teaches the encoders to find them much sooner than the action loss
+alone does. With ``object_input`` the action head also reads the head's estimate (made from the pixels), its
+offsets from the gripper and the instructed cube's slot, as the state policy reads the true poses.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .camera_source import image_key
 from .policy import (
     _KEPT_STATE,
     _NUM_CUBES,
+    _TCP,
     ACTION_DIM,
     NUM_JOINTS,
     absolute_actions,
@@ -63,7 +65,7 @@ PROPRIO_DIM = len(_KEPT_STATE)
 """Joint positions (7), finger openings (2), gripper position (3) and quaternion (4)."""
 
 
-_PROPRIO_TCP = slice(9, 12)
+_PROPRIO_TCP = slice(_KEPT_STATE.index(_TCP.start), _KEPT_STATE.index(_TCP.start) + 3)
 """The gripper (TCP) position inside :func:`proprio_features`."""
 
 
@@ -167,12 +169,12 @@ class VisionPolicyConfig:
             f"0 (no auxiliary head) or {OBJECT_DIM} (the cube positions)", self.object_dim,
         )  # fmt: skip
         require(
-            self.object_input in (False, True), "VisionPolicyConfig", "object_input", "a bool",
+            isinstance(self.object_input, bool), "VisionPolicyConfig", "object_input", "a bool",
             self.object_input,
         )  # fmt: skip
         require(
             not self.object_input or self.object_dim > 0, "VisionPolicyConfig", "object_input",
-            f"False without the auxiliary head (object_dim {OBJECT_DIM})", self.object_input,
+            f"False unless object_dim is {OBJECT_DIM} (the auxiliary head)", self.object_input,
         )  # fmt: skip
 
 
@@ -213,7 +215,9 @@ class VisionPolicy(nn.Module):
 
     Owns one :class:`CameraEncoder` per camera, an MLP head with FiLM (as :class:`ChunkPolicy`) and the
     normalisation buffers ``proprio_mean/std [16]`` and ``target_mean/std [F, 8]`` (identity until
-    :meth:`fit_normalizer`). Padded history frames enter as zeros with a 0 in the mask input.
+    :meth:`fit_normalizer`); with the auxiliary head also ``object_mean/std [9]`` and the head
+    ``object_head``, and with ``object_input`` ``offset_mean/std [9]`` and the instruction's cube selection
+    ``select``. Padded history frames enter as zeros with a 0 in the mask input.
     """
 
     def __init__(self, config: VisionPolicyConfig) -> None:
