@@ -332,6 +332,8 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
     the last ones (a real engine streaming ``pick_place``)."""
     import time
 
+    import tqdm
+
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
     from simstream.bc import train as training
     from simstream.tasks import make_source
@@ -349,8 +351,6 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
         averaged.update_parameters = update_and_keep
         kept["averaged"] = averaged
         return averaged
-
-    import tqdm
 
     weight_average = training.weight_average
     monkeypatch.setattr(training, "weight_average", recording_average)

@@ -69,6 +69,12 @@ _PROPRIO_TCP = slice(_KEPT_STATE.index(_TCP.start), _KEPT_STATE.index(_TCP.start
 """The gripper (TCP) position inside :func:`proprio_features`."""
 
 
+def _gripper_offsets(positions: torch.Tensor, proprio: torch.Tensor) -> torch.Tensor:
+    """Cube positions ``[B, 9]`` -> each cube's offset from the gripper in the frame ``proprio [B, 16]``
+    (the same subtraction for the fitted statistics and for the estimate the action head reads)."""
+    return (positions.unflatten(-1, (_NUM_CUBES, 3)) - proprio[:, None, _PROPRIO_TCP]).flatten(-2)
+
+
 def proprio_features(state: torch.Tensor) -> torch.Tensor:
     """``obs/state [..., 23]`` -> proprioception ``[..., 16]`` (joint velocities left out, as in the MLP)."""
     return state[..., _KEPT_STATE]
@@ -278,8 +284,7 @@ class VisionPolicy(nn.Module):
             self.object_mean.copy_(object_targets.mean(0))
             self.object_std.copy_(object_targets.std(0).clamp_min(1e-3))
         if self.config.object_input:
-            anchor_tcp = proprio[:, -1, _PROPRIO_TCP].repeat(1, _NUM_CUBES)
-            offsets = object_targets - anchor_tcp
+            offsets = _gripper_offsets(object_targets, proprio[:, -1])
             self.offset_mean.copy_(offsets.mean(0))
             self.offset_std.copy_(offsets.std(0).clamp_min(1e-3))
 
@@ -334,7 +339,7 @@ class VisionPolicy(nn.Module):
         return self.head(x).view(-1, self.config.horizon, ACTION_DIM), features
 
     def _estimate_inputs(
-        self, features: torch.Tensor, tcp_state: torch.Tensor, text: torch.Tensor
+        self, features: torch.Tensor, anchor_proprio: torch.Tensor, text: torch.Tensor
     ) -> torch.Tensor:
         """The head's extra inputs with ``object_input``: the estimated cube positions, their offsets from
         the gripper at the anchor frame, and the instructed cube's slot (both, normalised), ``[B, 24]``.
@@ -344,8 +349,7 @@ class VisionPolicy(nn.Module):
         """
         estimate = self.object_head(features).detach().float()
         positions = estimate * self.object_std + self.object_mean
-        offsets = positions - tcp_state[:, _PROPRIO_TCP].float().repeat(1, _NUM_CUBES)
-        offsets = (offsets - self.offset_mean) / self.offset_std
+        offsets = (_gripper_offsets(positions, anchor_proprio.float()) - self.offset_mean) / self.offset_std
         slots = torch.cat(
             [estimate.unflatten(-1, (_NUM_CUBES, 3)), offsets.unflatten(-1, (_NUM_CUBES, 3))], -1
         )
