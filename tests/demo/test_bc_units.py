@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -18,6 +19,8 @@ from simstream.bc import (
     HashedTextEmbedding,
     PolicyConfig,
     RolloutConfig,
+    eval_seeds,
+    evaluate_policy,
     load_checkpoint,
     masked_chunk_loss,
     observation_features,
@@ -203,6 +206,53 @@ def test_temporal_ensembling_decay_trusts_older_chunks():
     assert executor.pop(0)[0] == pytest.approx(0.25)  # weights 1 (old, value 0) and 1/3 (new, value 1)
 
 
+def test_the_gripper_is_executed_fully_open_or_closed():
+    """After blending, the gripper (last entry) becomes 1 above the threshold and 0 at or below it; the
+    joint targets stay as predicted, and the stored chunks are not changed."""
+    chunk = np.zeros((3, 8), dtype=np.float32)
+    chunk[:, 0] = [0.3, 0.2, 0.1]
+    chunk[:, -1] = [0.6, 0.5, 0.4]
+    for rollout in (RolloutConfig(ensemble_decay=0.0), RolloutConfig(ensemble_decay=None, execute_steps=3)):
+        executor = _ChunkExecutor(1, 3, rollout)
+        executor.add_plan(0, chunk)
+        first = executor.pop(0)
+        assert first[0] == pytest.approx(0.3) and first[-1] == 1.0
+        if rollout.ensemble_decay is None:
+            assert executor.pop(0)[-1] == 0.0 and executor.pop(0)[-1] == 0.0  # 0.5 is not above 0.5
+        assert chunk[0, -1] == pytest.approx(0.6)
+    executor = _ChunkExecutor(1, 3, RolloutConfig(gripper_threshold=0.65))
+    executor.add_plan(0, chunk)
+    assert executor.pop(0)[-1] == 0.0
+    executor = _ChunkExecutor(1, 3, RolloutConfig(gripper_threshold=None))
+    executor.add_plan(0, chunk)
+    assert executor.pop(0)[-1] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("threshold,expected", [(0.5, {0.0, 1.0}), (None, None)])
+def test_closed_loop_evaluation_sends_the_env_a_binary_gripper(monkeypatch, threshold, expected):
+    """What the real environment receives: with the threshold only 0 and 1; without, the untrained
+    policy's continuous values."""
+    from simstream.tasks import TaskEnv
+
+    sent: list[float] = []
+    step = TaskEnv.step
+
+    def recording_step(env, action):
+        sent.append(float(action[-1]))
+        return step(env, action)
+
+    monkeypatch.setattr(TaskEnv, "step", recording_step)
+    torch.manual_seed(0)
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    rollout = RolloutConfig(max_episode_steps=6, gripper_threshold=threshold)
+    evaluate_policy(policy, HashedTextEmbedding(8), "pick_place", eval_seeds(2), rollout)
+    assert len(sent) == 12
+    if expected is None:
+        assert not set(sent) <= {0.0, 1.0}
+    else:
+        assert set(sent) <= expected
+
+
 # ---------------------------------------------------------------------------------------- checkpoint, config
 def test_checkpoint_round_trip(tmp_path):
     policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
@@ -216,6 +266,23 @@ def test_checkpoint_round_trip(tmp_path):
     torch.testing.assert_close(
         loaded.policy.act(features, mask, embed([RED])), policy.act(features, mask, embed([RED]))
     )
+
+
+def test_a_checkpoint_from_before_the_gripper_threshold_gets_it_and_a_newer_rollout_is_refused(tmp_path):
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    checkpoint = PolicyCheckpoint(
+        policy, HashedTextEmbedding(8), "pick_place", RolloutConfig(gripper_threshold=None)
+    )
+    path = save_checkpoint(tmp_path / "c.pt", checkpoint)
+    assert load_checkpoint(path).rollout.gripper_threshold is None
+    payload = torch.load(path, weights_only=True)
+    del payload["rollout"]["gripper_threshold"]  # as written before the field existed
+    torch.save(payload, path)
+    assert load_checkpoint(path).rollout.gripper_threshold == 0.5
+    payload["rollout"]["telepathy"] = 1
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="its rollout does not fit this simstream version's RolloutConfig"):
+        load_checkpoint(path)
 
 
 def test_load_checkpoint_rejects_other_files(tmp_path):
@@ -245,6 +312,18 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
         (
             {"ensemble_decay": float("nan")},
             "RolloutConfig.ensemble_decay must be None or a finite number >= 0, got nan",
+        ),
+        (
+            {"gripper_threshold": 0.0},
+            "RolloutConfig.gripper_threshold must be None or a number in (0, 1), got 0.0",
+        ),
+        (
+            {"gripper_threshold": 1.0},
+            "RolloutConfig.gripper_threshold must be None or a number in (0, 1), got 1.0",
+        ),
+        (
+            {"gripper_threshold": True},
+            "RolloutConfig.gripper_threshold must be None or a number in (0, 1), got True",
         ),
     ],
 )

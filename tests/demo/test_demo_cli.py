@@ -72,6 +72,15 @@ def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, c
     assert "success" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("options", "threshold"), [([], 0.5), (["--gripper-threshold", "0.7"], 0.7),
+                                                   (["--continuous-gripper"], None)])  # fmt: skip
+def test_eval_overrides_the_checkpoints_gripper_threshold(quick_run, tmp_path, options, threshold):
+    out = tmp_path / "eval.json"
+    argv = ["eval", str(quick_run / "checkpoint.pt"), "--episodes", "1", "--json-out", str(out), *options]
+    assert simstream(argv) == 0
+    assert json.loads(out.read_text())["rollout"]["gripper_threshold"] == threshold
+
+
 def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
     assert simstream(["eval", str(tmp_path / "nope.pt")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -101,6 +110,14 @@ def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, 
     [
         (["--execute-steps", "0"], "EvalArgs.execute_steps must be an int >= 1, got 0"),
         (["--image-size", "20000"], "EvalArgs.image_size must be an int in [16, 2048], got 20000"),
+        (
+            ["--gripper-threshold", "1.5"],
+            "EvalArgs.gripper_threshold must be None or a number in (0, 1), got 1.5",
+        ),
+        (
+            ["--gripper-threshold", "0.4", "--continuous-gripper"],
+            "EvalArgs.continuous_gripper must be False when gripper_threshold is given (they contradict)",
+        ),
     ],
 )
 def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, capsys):

@@ -70,13 +70,7 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
     configs = {"vision": VisionPolicyConfig, "state": PolicyConfig}
     if kind not in configs:
         raise ValueError(f"{str(path)!r}: unknown policy_kind {kind!r} (expected 'state' or 'vision')")
-    try:  # fields added later take their defaults; a field this version does not know is an error
-        config = configs[kind](**payload["policy_config"])
-    except TypeError as error:
-        raise ValueError(
-            f"{str(path)!r}: its policy_config does not fit this simstream version's "
-            f"{configs[kind].__name__} ({error}); it was written by a newer version"
-        ) from error
+    config = _config(path, "policy_config", configs[kind], payload["policy_config"])
     policy: ChunkPolicy | VisionPolicy = VisionPolicy(config) if kind == "vision" else ChunkPolicy(config)
     policy.load_state_dict(payload["state_dict"])
     policy.eval()
@@ -84,6 +78,17 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         policy=policy,
         embedding=HashedTextEmbedding.from_state_dict(payload["text_embedding"]),
         task=payload["task"],
-        rollout=RolloutConfig(**payload["rollout"]),
+        rollout=_config(path, "rollout", RolloutConfig, payload["rollout"]),
         info=payload.get("info", {}),
     )
+
+
+def _config(path: Path, key: str, cls: type, fields: dict[str, Any]) -> Any:
+    """``cls(**fields)``: fields added later take their defaults; a field this version lacks is an error."""
+    try:
+        return cls(**fields)
+    except TypeError as error:
+        raise ValueError(
+            f"{str(path)!r}: its {key} does not fit this simstream version's {cls.__name__} ({error}); "
+            "it was written by a newer version"
+        ) from error

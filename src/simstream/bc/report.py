@@ -219,6 +219,12 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
             else ""
         )
         + (
+            " The predicted gripper command was executed fully open above "
+            f"{cfg['gripper_threshold']:g} and closed below, as the expert commands it."
+            if cfg.get("gripper_threshold") is not None
+            else ""
+        )
+        + (
             " The producers executed the expert's joint targets plus Gaussian noise "
             f"({cfg['action_noise']:g} rad) and recorded its own command (DART), so the stream shows "
             "corrections and retried grasps."

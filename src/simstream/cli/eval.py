@@ -15,7 +15,7 @@ from typing import Annotated
 
 import tyro
 
-from .._validation import require_int
+from .._validation import require, require_int, require_number
 from ._report import exit_code
 
 __all__ = ["EvalArgs", "main", "run_eval"]
@@ -45,6 +45,12 @@ class EvalArgs:
     """Override the checkpoint's actions executed per predicted chunk."""
     ensemble_decay: float | None = None
     """Override: temporal ensembling with this decay instead of chunk execution."""
+    gripper_threshold: float | None = None
+    """Override the checkpoint's gripper threshold (in (0, 1)): the executed gripper command is fully open
+    above it and closed at or below it. Checkpoints written before the threshold existed get 0.5."""
+    continuous_gripper: bool = False
+    """Execute the predicted gripper command as it is, without a threshold (how checkpoints written before
+    the threshold existed were evaluated)."""
     json_out: Path | None = None
     """Also write the per-episode results to this JSON file."""
     num_threads: int = 1
@@ -57,6 +63,15 @@ class EvalArgs:
         require_int("EvalArgs", "image_size", self.image_size, 16, 2048)  # the renderer's range
         if self.execute_steps is not None:
             require_int("EvalArgs", "execute_steps", self.execute_steps, 1)
+        require_number(
+            "EvalArgs", "gripper_threshold", self.gripper_threshold, 0, 1,
+            low_open=True, high_open=True, optional=True,
+        )  # fmt: skip
+        require(
+            not (self.continuous_gripper and self.gripper_threshold is not None),
+            "EvalArgs", "continuous_gripper", "False when gripper_threshold is given (they contradict)",
+            self.continuous_gripper,
+        )  # fmt: skip
         require_int("EvalArgs", "seed_offset", self.seed_offset, 0)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
@@ -102,6 +117,8 @@ def run_eval(args: EvalArgs) -> dict:
             # an explicit --execute-steps means chunk execution unless --ensemble-decay is given too
             ensemble_decay=args.ensemble_decay,
         )
+    if args.continuous_gripper or args.gripper_threshold is not None:
+        rollout = dataclasses.replace(rollout, gripper_threshold=args.gripper_threshold)
     RolloutConfig(**dataclasses.asdict(rollout))  # validate the overrides
     seeds = eval_seeds(args.episodes, offset=args.seed_offset)
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)
