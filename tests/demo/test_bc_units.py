@@ -212,7 +212,11 @@ def test_the_gripper_is_executed_fully_open_or_closed():
     chunk = np.zeros((3, 8), dtype=np.float32)
     chunk[:, 0] = [0.3, 0.2, 0.1]
     chunk[:, -1] = [0.6, 0.5, 0.4]
-    for rollout in (RolloutConfig(ensemble_decay=0.0), RolloutConfig(ensemble_decay=None, execute_steps=3)):
+    assert RolloutConfig().gripper_threshold == 0.25
+    for rollout in (
+        RolloutConfig(ensemble_decay=0.0, gripper_threshold=0.5),
+        RolloutConfig(ensemble_decay=None, execute_steps=3, gripper_threshold=0.5),
+    ):
         executor = _ChunkExecutor(1, 3, rollout)
         executor.add_plan(0, chunk)
         first = executor.pop(0)
@@ -223,12 +227,15 @@ def test_the_gripper_is_executed_fully_open_or_closed():
     executor = _ChunkExecutor(1, 3, RolloutConfig(gripper_threshold=0.65))
     executor.add_plan(0, chunk)
     assert executor.pop(0)[-1] == 0.0
+    executor = _ChunkExecutor(1, 3, RolloutConfig(ensemble_decay=None, execute_steps=3))
+    executor.add_plan(0, chunk * 0.5)  # 0.3, 0.25, 0.2 with the default threshold 0.25
+    assert [executor.pop(0)[-1] for _ in range(3)] == [1.0, 0.0, 0.0]
     executor = _ChunkExecutor(1, 3, RolloutConfig(gripper_threshold=None))
     executor.add_plan(0, chunk)
     assert executor.pop(0)[-1] == pytest.approx(0.6)
 
 
-@pytest.mark.parametrize("threshold,expected", [(0.5, {0.0, 1.0}), (None, None)])
+@pytest.mark.parametrize("threshold,expected", [(0.25, {0.0, 1.0}), (None, None)])
 def test_closed_loop_evaluation_sends_the_env_a_binary_gripper(monkeypatch, threshold, expected):
     """What the real environment receives: with the threshold only 0 and 1; without, the untrained
     policy's continuous values."""
@@ -278,7 +285,7 @@ def test_a_checkpoint_from_before_the_gripper_threshold_gets_it_and_a_newer_roll
     payload = torch.load(path, weights_only=True)
     del payload["rollout"]["gripper_threshold"]  # as written before the field existed
     torch.save(payload, path)
-    assert load_checkpoint(path).rollout.gripper_threshold == 0.5
+    assert load_checkpoint(path).rollout.gripper_threshold == 0.25
     payload["rollout"]["telepathy"] = 1
     torch.save(payload, path)
     with pytest.raises(ValueError, match="its rollout does not fit this simstream version's RolloutConfig"):

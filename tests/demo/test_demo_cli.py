@@ -72,7 +72,7 @@ def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, c
     assert "success" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("options", "threshold"), [([], 0.5), (["--gripper-threshold", "0.7"], 0.7),
+@pytest.mark.parametrize(("options", "threshold"), [([], 0.25), (["--gripper-threshold", "0.7"], 0.7),
                                                    (["--continuous-gripper"], None)])  # fmt: skip
 def test_eval_overrides_the_checkpoints_gripper_threshold(quick_run, tmp_path, options, threshold):
     out = tmp_path / "eval.json"

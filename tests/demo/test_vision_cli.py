@@ -50,9 +50,9 @@ def test_vision_quick_writes_report_plots_strip_and_checkpoint(vision_run):
     assert "waiting for a batch" in report and "vs the bare source" in report
     assert "the policy read the head's own estimate, made from pixels" in report
     assert "moving average of the weights (decay 0.9995)" in report
-    assert "gripper command was executed fully open above 0.5 and closed below" in report
+    assert "gripper command was executed fully open above 0.25 and closed below" in report
     checkpoint = load_checkpoint(vision_run / "checkpoint.pt")
-    assert checkpoint.rollout.gripper_threshold == 0.5
+    assert checkpoint.rollout.gripper_threshold == 0.25
     assert isinstance(checkpoint.policy, VisionPolicy)
     assert checkpoint.policy.config.cameras == ("front", "wrist")
 

@@ -133,11 +133,10 @@ class DemoConfig:
     oldest (``i = 0``); 0 averages. ``None`` executes ``execute_steps`` of each chunk and replans instead."""
     execute_steps: int = 8
     """Actions executed from each predicted chunk before replanning (with ``ensemble_decay None``)."""
-    gripper_threshold: float | None = 0.5
+    gripper_threshold: float | None = 0.25
     """The executed gripper command is fully open above this and closed at or below it, like the expert's
     (``None``: the predicted value as it is). In (0, 1). A regressed value in between left vision policies
-    holding the cube half-open in the bin; thresholding lifted five vision checkpoints by 0-20 points and
-    left the state policy's 98% as it was (``docs/demo.md``)."""
+    holding the cube in the bin with the fingers half open (measured in ``docs/demo.md``)."""
     eval_every: int = 2000
     """Gradient steps between the closed-loop checks that trace success over training."""
     eval_episodes_during: int = 20

@@ -7,6 +7,7 @@ as training goes and kept in :class:`TrainingLog` for the report.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -365,10 +366,14 @@ def weight_average(policy: torch.nn.Module, decay: float) -> AveragedModel | Non
     """
     if decay == 0:
         return None
+    # counted here, not read back from ``AveragedModel.n_averaged``: on CUDA that read would wait for the GPU
+    blends = itertools.count(1)
 
     @torch.no_grad()
-    def blend(averages: list[torch.Tensor], currents: list[torch.Tensor], count: torch.Tensor) -> None:
-        done = float(count)
-        torch._foreach_lerp_(averages, currents, 1.0 - min(decay, (1.0 + done) / (10.0 + done)))
+    def blend(averages: list[torch.Tensor], currents: list[torch.Tensor], _count: torch.Tensor) -> None:
+        done = next(blends)
+        weight = 1.0 - min(decay, (1.0 + done) / (10.0 + done))
+        for average, current in zip(averages, currents, strict=True):
+            average.lerp_(current, weight)
 
     return AveragedModel(policy, multi_avg_fn=blend, use_buffers=True)
