@@ -290,6 +290,13 @@ def test_a_checkpoint_from_before_the_gripper_threshold_gets_it_and_a_newer_roll
     torch.save(payload, path)
     with pytest.raises(ValueError, match="its rollout does not fit this simstream version's RolloutConfig"):
         load_checkpoint(path)
+    payload["rollout"] = {"gripper_threshold": 1.5}
+    torch.save(payload, path)
+    message = (
+        "its rollout is invalid: RolloutConfig.gripper_threshold must be None or a number in (0, 1), got 1.5"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"{str(path)!r}: {message}")):
+        load_checkpoint(path)
 
 
 def test_load_checkpoint_rejects_other_files(tmp_path):
@@ -411,6 +418,25 @@ def test_weight_average_copies_first_then_blends_with_a_warm_up():
         assert torch.allclose(averaged.module.target_mean, torch.full_like(policy.target_mean, 2 * expected))
     assert abs(expected - 0.25) < 1e-3  # after the warm-up the decay is 0.5: the average caught up
     assert torch.equal(policy.head.weight, torch.full_like(policy.head.weight, 0.25))  # model untouched
+
+
+def test_weight_average_blends_every_dtype_group_alike():
+    """AveragedModel blends each (device, dtype) group in its own call: one update must give every group
+    the same warm-up weight."""
+    from simstream.bc.train import weight_average
+
+    model = torch.nn.Module()
+    model.low = torch.nn.Parameter(torch.zeros(3))
+    model.high = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    averaged = weight_average(model, 0.9)
+    averaged.update_parameters(model)  # copies the zeros
+    with torch.no_grad():
+        model.low.fill_(1.0)
+        model.high.fill_(1.0)
+    averaged.update_parameters(model)  # the first blend: decay min(0.9, 2 / 11)
+    expected = 1 - 2 / 11
+    assert torch.allclose(averaged.module.low, torch.full((3,), expected))
+    assert torch.allclose(averaged.module.high, torch.full((3,), expected, dtype=torch.float64))
 
 
 def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monkeypatch):

@@ -92,3 +92,5 @@ def _config(path: Path, key: str, cls: type, fields: dict[str, Any]) -> Any:
             f"{str(path)!r}: its {key} does not fit this simstream version's {cls.__name__} ({error}); "
             "it was written by a newer version"
         ) from error
+    except ValueError as error:
+        raise ValueError(f"{str(path)!r}: its {key} is invalid: {error}") from error

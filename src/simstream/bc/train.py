@@ -7,7 +7,6 @@ as training goes and kept in :class:`TrainingLog` for the report.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -366,14 +365,15 @@ def weight_average(policy: torch.nn.Module, decay: float) -> AveragedModel | Non
     """
     if decay == 0:
         return None
-    # counted here, not read back from ``AveragedModel.n_averaged``: on CUDA that read would wait for the GPU
-    blends = itertools.count(1)
 
     @torch.no_grad()
     def blend(averages: list[torch.Tensor], currents: list[torch.Tensor], _count: torch.Tensor) -> None:
-        done = next(blends)
+        # the count handed in is a copy on the weights' device (reading it would wait for a GPU); the
+        # model's own counter stays on the CPU, where AveragedModel creates it
+        done = float(averaged.n_averaged)
         weight = 1.0 - min(decay, (1.0 + done) / (10.0 + done))
         for average, current in zip(averages, currents, strict=True):
             average.lerp_(current, weight)
 
-    return AveragedModel(policy, multi_avg_fn=blend, use_buffers=True)
+    averaged = AveragedModel(policy, multi_avg_fn=blend, use_buffers=True)
+    return averaged

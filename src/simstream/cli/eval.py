@@ -47,7 +47,8 @@ class EvalArgs:
     """Override: temporal ensembling with this decay instead of chunk execution."""
     gripper_threshold: float | None = None
     """Override the checkpoint's gripper threshold (in (0, 1)): the executed gripper command is fully open
-    above it and closed at or below it. Checkpoints written before the threshold existed get 0.25."""
+    above it and closed at or below it. ``None`` (the default) keeps the checkpoint's; checkpoints written
+    before the threshold existed get 0.25. No threshold at all: ``--continuous-gripper``."""
     continuous_gripper: bool = False
     """Execute the predicted gripper command as it is, without a threshold (how checkpoints written before
     the threshold existed were evaluated)."""
