@@ -312,8 +312,8 @@ class OnlineDataEngine(EngineLifecycle):
         }
 
     def _check_ready(self, operation: str) -> None:
+        state = self.state  # read before the channel: a failure published in between is raised as itself
         self._raise_if_failed()
-        state = self.state
         if state is not State.READY:
             raise RuntimeError(
                 f"OnlineDataEngine.{operation}() requires state READY; current state is {state.value}."
@@ -359,12 +359,13 @@ class OnlineDataEngine(EngineLifecycle):
         self._check_ready("check_health")
 
     def _check_failed_state(self) -> None:
-        if self.state is State.STOPPED:
+        state = self.state  # read before the channel, as in _check_ready
+        if state is State.STOPPED:
             return
         self._raise_if_failed()
-        if self.state is State.FAILED:
+        if state is State.FAILED:
             raise OnlineDataWorkerError("OnlineDataEngine is FAILED without an error envelope")
-        if self.state is State.READY:
+        if state is State.READY:
             self._check_workers_alive()
 
     def get_stats(self) -> dict[str, object]:
