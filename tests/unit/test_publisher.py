@@ -1,5 +1,6 @@
 """Publishing several windows together: the same rows, ids, quotas and lifecycle records, in the same
-order, as publishing them one by one; a failure before publication leaves none of them visible."""
+order, as publishing them one by one; a window that fails its check is never visible, nor are the claimed
+windows after it, while the windows before it are published as one by one would have."""
 
 from __future__ import annotations
 
@@ -130,22 +131,49 @@ def test_windows_published_together_equal_windows_published_one_by_one():
     assert ids.tolist() == list(range(ROWS, 2 * ROWS))  # unique and increasing, in row order
 
 
-def test_a_failure_before_publication_leaves_none_of_the_windows_visible():
+def test_a_window_that_fails_its_check_is_never_visible_and_the_windows_before_it_are():
+    engine = _engine()
+    _publish(engine, _windows(1), 1, together=True)
+    engine._shared.events.drain()
+    shared = engine._shared
+    ids_before = shared.index.episode_id.clone()
+    quota_rows = shared.quota.state_dict()["rows"].clone()
+    with pytest.raises(ValueError, match=r"buffer row 3 \(row 1 of the rollout\)"):
+        _publish(engine, _windows(2), 2, together=True, unwritten_row=3)  # the middle window's last row
+    index = shared.index
+    # window 0 (rows 0, 1) is published with the next ids; windows 1 and 2 stay claimed (odd): skipped
+    assert index.episode_id.tolist() == [ROWS, ROWS + 1] + [-1] * (ROWS - 2)
+    assert index.stable_rows().tolist() == [True, True] + [False] * (ROWS - 2)
+    assert shared.storage.metadata("valid")[:2].any(dim=1).all()
+    assert not bool(shared.storage.metadata("valid")[2:].any())
+    quota = shared.quota.state_dict()["rows"]
+    assert not torch.equal(quota[:2], quota_rows[:2])  # the published rows' quota rows were renewed
+    records = shared.events.drain()
+    assert [(r["kind"], r["slot"]) for r in records] == [
+        ("evicted", 0), ("evicted", 1), ("published", 0), ("published", 1),
+        ("evicted", 2), ("evicted", 3), ("evicted", 4), ("evicted", 5),
+    ]  # fmt: skip
+    assert [r["episode_id"] for r in records if r["kind"] == "published"] == [ROWS, ROWS + 1]
+    assert [r["episode_id"] for r in records if r["kind"] == "evicted"] == ids_before[:ROWS].tolist()
+    assert shared.events.state_dict()["reserved"] == 0  # the rest of the reservation was given back
+    assert shared.progress.snapshot()["successful_episodes"] == ROWS + 2
+
+
+def test_a_failure_in_the_first_window_leaves_none_of_the_windows_visible():
     engine = _engine()
     _publish(engine, _windows(1), 1, together=True)
     engine._shared.events.drain()
     shared = engine._shared
     before_quota = shared.quota.state_dict()["rows"].clone()
-    with pytest.raises(ValueError, match=r"buffer row 3 \(row 1 of the rollout\)"):
-        _publish(engine, _windows(2), 2, together=True, unwritten_row=3)  # the middle window's last row
-    index = shared.index
-    assert not bool(index.stable_rows().any())  # every claimed row stays odd: samplers skip them all
-    assert index.episode_id.tolist() == [-1] * ROWS
+    with pytest.raises(ValueError, match=r"buffer row 1 \(row 1 of the rollout\)"):
+        _publish(engine, _windows(2), 2, together=True, unwritten_row=1)
+    assert not bool(shared.index.stable_rows().any())  # every claimed row stays odd: samplers skip them all
+    assert shared.index.episode_id.tolist() == [-1] * ROWS
     assert not bool(shared.storage.metadata("valid").any())
     assert torch.equal(shared.quota.state_dict()["rows"], before_quota)
     records = shared.events.drain()
     assert [(r["kind"], r["slot"]) for r in records] == [("evicted", row) for row in range(ROWS)]
-    assert shared.events.state_dict()["reserved"] == 0  # the rest of the reservation was given back
+    assert shared.events.state_dict()["reserved"] == 0
 
 
 def test_windows_must_be_whole():
@@ -293,6 +321,24 @@ def test_a_failing_call_publishes_the_windows_held_before_it_then_fails_with_its
     assert _published_rows(engine) == [0, 1]  # window 0 arrived whole: visible, as a local producer's
     error = engine._shared.channel.error()
     assert type(error) is ValueError and str(error) == "source broke"
+
+
+def test_a_held_window_with_an_unwritten_frame_fails_the_engine_after_the_windows_before_it():
+    """The ingest's group of held windows publishes the ones before a window that fails its check, as a
+    local producer publishing one by one would have, and fails with the check's own error."""
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    payloads[1].frames["actions"][0, 1, 0] = np.nan  # window 1: rows 2 and 3
+    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Call(None, 1, 1, 1), payloads[1:2], time.monotonic())
+    assert _published_rows(engine) == []  # both held
+    with pytest.raises(ingest.Closing):
+        producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+    assert _published_rows(engine) == [0, 1]
+    error = engine._shared.channel.error()
+    assert type(error) is ValueError
+    assert "buffer row 2 (row 0 of the rollout)" in str(error) and "'actions'" in str(error)
+    assert "first at frame 1" in str(error)
+    assert engine._shared.progress.worker_completed(0) == 0
 
 
 def test_a_lost_actor_publishes_the_windows_held_and_asks_again_from_the_first_in_flight():

@@ -32,8 +32,9 @@ class WindowPublisher:
 
     Several consecutive windows (rows ``[start, end)``, ``window_rows`` each, disjoint) are published as
     one: one claim of all their rows, one write pass, one hold of the publication lock and one lifecycle
-    append, with the same records, episode ids and order as publishing them one by one; a failure before
-    publication leaves none of them visible. One window is the case ``window_rows == end - start``.
+    append, with the same records, episode ids and order as publishing them one by one. A window whose
+    check fails is never visible, and neither are the claimed windows after it; the windows before it are
+    published first, as one by one. One window is the case ``window_rows == end - start``.
 
     Owns the producer's lifecycle-log reservation between :meth:`begin` and :meth:`finish` (given back by
     :meth:`abandon` when the windows are not published), and the ``evicted`` records of all windows but
@@ -98,17 +99,34 @@ class WindowPublisher:
             generation: Their fill generation.
 
         Raises:
-            ValueError: a reported float frame is unwritten; the rows stay claimed (none visible).
+            ValueError: a reported float frame is unwritten. The windows before the one that holds it are
+                published first (as one by one would have); its rows and those after it stay claimed, never
+                visible.
             Closing: the engine closed while waiting for the publication lock.
         """
         window_rows = (end - start) // len(windows)
         episodes = [episode for window in windows for episode in window.episodes]
         attempts = [window.attempt for window in windows for _ in window.episodes]
-        self.writer.write(start, episodes, attempts, check=self._raise_if_closing, window_rows=window_rows)
+        check = self._raise_if_closing
+        try:
+            self.writer.write(start, episodes, attempts, check=check, window_rows=window_rows)
+        except ValueError:
+            whole = self._windows_before_unwritten_frames(start, episodes, window_rows)
+            if whole:  # nothing was written: the rows of those windows are claimed and hold their payloads
+                self.finish(start, start + whole * window_rows, windows[:whole], generation)
+            raise
         self._publish(start, end, generation, window_rows)
         progress = self.shared.progress
         progress.add_for_worker(self.worker, "successful_episodes", end - start)
         progress.add_for_worker(self.worker, "generated_frames", reported_frames(episodes))
+
+    def _windows_before_unwritten_frames(self, start: int, episodes, window_rows: int) -> int:
+        """How many whole windows precede the first row with an unwritten reported frame (0 when none)."""
+        if not self.shared.check_unwritten_frames:
+            return 0
+        lengths = np.fromiter((episode.length for episode in episodes), dtype=np.int64, count=len(episodes))
+        offset = self.shared.storage.first_row_with_unwritten_frames(start, lengths)
+        return 0 if offset is None else offset // window_rows
 
     def count_failed(self, episodes: int) -> None:
         """Count episodes of failed attempts (never published)."""
