@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from .._bounded import held
+from .._memory_order import require_ordered_memory
 from .._sync import SharedFlag, SharedLock
 from ..buffer.gate import RecordGate
 from ..buffer.index import EPISODE, EligibilityIndex
@@ -71,6 +72,7 @@ class OnlineDataEngine(EngineLifecycle):
         if not isinstance(cfg, OnlineDataEngineCfg):
             raise TypeError(f"OnlineDataEngine expects an OnlineDataEngineCfg, got {type(cfg).__name__}")
         layout = cfg.validate()
+        require_ordered_memory("OnlineDataEngine")
         check_shared_memory(cfg, layout)  # before anything is allocated: a config /dev/shm cannot hold
         try:
             self._spec_bytes = pickle.dumps(cfg.source)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 
+from .._memory_order import require_ordered_memory
 from .._validation import require_int
 from ..errors import CollectorDiedError
 from .collector import (
@@ -102,6 +103,8 @@ class APPORunner(AsyncRunner):
         if self.ring is not None:
             return
         cfg, spec = self.config, self._spec()
+        if cfg.mode != "serial":  # the collector copies the weights without a lock, in another process
+            require_ordered_memory(f"APPORunner (mode={cfg.mode!r})")
         # Shared memory is allocated once, here in the owner, and registered for release by close().
         self.ring = self._register_shared(RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN))
         self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
