@@ -17,7 +17,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from simstream import DataBudgetExhaustedError, OnlineDataEngine, OnlineDataEngineCfg, OnlineDataEngineState
+from simstream import (
+    DataBudgetExhaustedError,
+    Field,
+    OnlineDataEngine,
+    OnlineDataEngineCfg,
+    OnlineDataEngineState,
+)
 from simstream.data import OnlineDataset
 from simstream.ray import RayBackend, RayProducerError
 from tests.ray_backend.conftest import SIM_CPUS, sim_available, wait_for
@@ -105,6 +111,17 @@ def test_quotas_and_the_sample_threshold_policy(cluster):
         engine.sample_batch(4, 5)
         wait_for(lambda: engine.get_stats()["completed_generation"] >= 2, "a threshold refill")
         assert engine.get_stats()["successful_episodes"] >= 8
+
+
+def test_fields_numpy_lacks_cross_ray_bit_for_bit(cluster):
+    """bfloat16 has no NumPy dtype: the actor returns its bits as int16 and the ingest writes them back."""
+    extra = {"half": Field((2,), torch.bfloat16), "count": Field((), torch.int16)}
+    with OnlineDataEngine(ray_cfg(ScriptedSpec(segments=SEGMENTS, extra_fields=extra))) as engine:
+        batch = engine.sample_batch(16, 12)
+    steps = batch["obs"][..., 1]  # the frame index t, which the source writes into every extra field
+    assert batch["half"].dtype == torch.bfloat16
+    assert torch.equal(batch["half"], steps.to(torch.bfloat16).unsqueeze(-1).expand(-1, -1, 2))
+    assert torch.equal(batch["count"], steps.to(torch.int16))
 
 
 def test_dataloader_workers_stream_and_receive_the_source_exception(cluster):

@@ -59,6 +59,7 @@ class ScriptedSpec:
     close_fault: str | None = None
     """``raise`` or ``hang`` in ``close()``."""
     extra_fields: Mapping[str, Field] = field(default_factory=dict)
+    """More fields; every element of frame ``t`` holds ``t``."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -122,6 +123,8 @@ class ScriptedSource:
             rows["rewards"][row, :length] = t
             if spec.image:
                 rows["obs_image", "rgb"][row, :length] = (self.rows_written % 250) + 1
+            for name, extra in spec.extra_fields.items():  # the frame index t, in every element
+                rows.get(tuple(name.split("/")))[row, :length] = t.reshape(-1, *[1] * len(extra.shape))
             segments = [
                 Segment(lo, min(hi, length), text, ok) for lo, hi, text, ok in spec.segments if lo < length
             ]

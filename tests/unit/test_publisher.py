@@ -415,3 +415,18 @@ def test_closing_between_the_groups_of_held_windows_leaves_the_published_ones_a_
     assert _published_rows(engine) == [0, 1, 2, 3]
     assert engine._shared.progress.worker_completed(0) == 0  # the generation did not complete
     assert engine._shared.channel.error() is None  # closing is not a failure
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.uint8, torch.bfloat16, torch.float8_e4m3fn, torch.float64]
+)
+def test_the_ray_payload_view_shares_memory_and_keeps_every_bit(dtype):
+    actor = pytest.importorskip("simstream.ray.actor")  # imports ray; starts nothing
+    tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+    view = actor.numpy_view(tensor)
+    assert view.shape == (2, 3, 4) and view.itemsize == tensor.element_size()
+    target = torch.zeros_like(tensor)
+    np.copyto(actor.numpy_view(target), view)  # what the ingest does with what the actor returned
+    assert torch.equal(target.view(torch.uint8), tensor.view(torch.uint8))
+    view[0, 0, 0] = view[1, 2, 3]
+    assert torch.equal(tensor[0, 0, :1].view(torch.uint8), tensor[1, 2, 3:].view(torch.uint8))  # shared

@@ -25,7 +25,7 @@ from tensordict import TensorDict
 from ..engine.window import GeneratedWindow, generate_window
 from ..errors import OnlineDataWorkerError
 
-__all__ = ["ProducerActor", "WindowPayload"]
+__all__ = ["ProducerActor", "WindowPayload", "numpy_view"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class WindowPayload:
 
     window: GeneratedWindow
     frames: dict[str, np.ndarray]
-    """Payload field name (``"obs/state"``) -> ``[num_envs, max(length), *shape]`` frames."""
+    """Payload field name (``"obs/state"``) -> ``[num_envs, max(length), *shape]`` frames (dtypes NumPy
+    lacks as the integer of their size: :func:`numpy_view`)."""
 
 
 class ProducerActor:
@@ -63,20 +64,26 @@ class ProducerActor:
         torch.set_num_threads(1)
         spec = pickle.loads(self._spec_bytes)
         self._max_steps = spec.max_episode_steps
-        fields = dict(spec.fields())
         tree: dict = {}
-        self._floats: list[torch.Tensor] = []
-        self._names: list[tuple[str, tuple[str, ...]]] = []
-        for name, field in fields.items():
+        self._arrays: list[tuple[str, np.ndarray]] = []
+        """Field name -> a NumPy view of the rows' tensor (the frames are sliced and returned from it)."""
+        self._nan_arrays: list[np.ndarray] = []
+        self._nan_tensors: list[torch.Tensor] = []
+        """Float fields, reset to NaN before every attempt: through NumPy, or torch for dtypes NumPy lacks."""
+        for name, field in dict(spec.fields()).items():
             tensor = torch.zeros((spec.num_envs, self._max_steps, *field.shape), dtype=field.dtype)
             path = tuple(name.split("/"))
             node = tree
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = tensor
-            self._names.append((name, path))
+            array = numpy_view(tensor)
+            self._arrays.append((name, array))
             if field.dtype.is_floating_point:
-                self._floats.append(tensor)
+                if array.dtype.kind == "f":
+                    self._nan_arrays.append(array)
+                else:
+                    self._nan_tensors.append(tensor)
         self._rows = TensorDict(tree, batch_size=[spec.num_envs, self._max_steps])
         with _picklable_errors():
             self._source = spec.build(self._worker_index, self._seed)
@@ -106,10 +113,8 @@ class ProducerActor:
             if window is None:
                 break
             used = max((episode.length for episode in window.episodes), default=0)
-            frames = {
-                name: np.ascontiguousarray(self._rows.get(path)[:, :used].numpy())
-                for name, path in self._names
-            }
+            # contiguous already (no copy) when num_envs == 1; Ray copies the result before the next call
+            frames = {name: np.ascontiguousarray(array[:, :used]) for name, array in self._arrays}
             windows.append(WindowPayload(window, frames))
         return windows
 
@@ -130,8 +135,23 @@ class ProducerActor:
     def _reset(self) -> None:
         """Frames back to unwritten (NaN) so that a reported frame left unwritten is caught on ingest."""
         if self._poison:
-            for tensor in self._floats:
+            for array in self._nan_arrays:
+                array.fill(np.nan)
+            for tensor in self._nan_tensors:
                 tensor.fill_(math.nan)
+
+
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy array sharing ``tensor``'s memory. Dtypes NumPy lacks (``bfloat16``, ``float8``...) are
+    viewed as the integer of their size, so their bits cross Ray and are copied unchanged; the ingest
+    views its targets the same way."""
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor.view(_SAME_SIZE_INTEGER[tensor.element_size()]).numpy()
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from ..engine.shared import EngineShared
 from ..engine.window import derive_worker_seed, window_starts
 from ..errors import OnlineDataWorkerError
 from ..workers.supervisor import ShutdownReport, owner_watch
-from .actor import ProducerActor, WindowPayload
+from .actor import ProducerActor, WindowPayload, numpy_view
 from .backend import RayBackend, RayProducerError
 
 __all__ = ["RayProducers", "run_ingest"]
@@ -172,7 +172,7 @@ class RayProducers:
             for worker, (start, end) in enumerate(cfg.worker_row_ranges(num_envs))
         ]
         self._publishers = [WindowPublisher(shared, p.index, self._closing) for p in self._producers]
-        self._payload_views: dict[int, dict[str, np.ndarray | torch.Tensor]] = {}
+        self._payload_views: dict[int, dict[str, np.ndarray]] = {}
         """Window start -> field name -> the window's rows ``[num_envs, T, ...]`` (built once per window)."""
 
     # -- lifecycle (in the ingest process) ------------------------------------------------------------
@@ -418,7 +418,7 @@ class RayProducers:
             for offset, payload in enumerate(payloads):
                 targets = self._targets(start + offset * num_envs)
                 for name, frames in payload.frames.items():
-                    _copy_into(targets[name][:, : frames.shape[1]], frames)
+                    np.copyto(targets[name][:, : frames.shape[1]], frames)
             publisher.finish(start, end, [payload.window for payload in payloads], generation)
         finally:
             publisher.abandon()
@@ -428,17 +428,13 @@ class RayProducers:
                 progress.add_for_worker(producer.index, "production_ns", time.monotonic_ns() - began)
             progress.set_worker_completed(producer.index, generation)
 
-    def _targets(self, start: int) -> dict[str, np.ndarray | torch.Tensor]:
+    def _targets(self, start: int) -> dict[str, np.ndarray]:
         views = self._payload_views.get(start)
         if views is None:
             rows = self._shared.storage.rows_view(start, start + self._num_envs, payload_only=True)
             views = {}
             for spec in self._shared.storage.iter_specs(payload=True):
-                tensor = rows.get(spec.path)
-                try:
-                    views[spec.name] = tensor.numpy()
-                except TypeError:  # a dtype NumPy lacks (bfloat16)
-                    views[spec.name] = tensor
+                views[spec.name] = numpy_view(rows.get(spec.path))  # as the actor viewed its rows
             self._payload_views[start] = views
         return views
 
@@ -498,14 +494,6 @@ class RayProducers:
         )
         self._shared.channel.publish(error, producer.label)
         raise Closing
-
-
-def _copy_into(target: np.ndarray | torch.Tensor, frames: np.ndarray) -> None:
-    """Copy a received (read-only, zero-copy) array into shared rows."""
-    if isinstance(target, np.ndarray):
-        np.copyto(target, frames)
-    else:  # through torch, from a writable copy
-        target.copy_(torch.from_numpy(frames.copy()))
 
 
 def _original(error: RayTaskError) -> BaseException:
