@@ -18,6 +18,7 @@ from simstream.bc.camera_source import CameraSourceSpec, image_key
 from simstream.bc.checkpoint import PolicyCheckpoint
 from simstream.bc.data import InstructionTable
 from simstream.bc.evaluate import RolloutConfig
+from simstream.bc.policy import masked_chunk_loss
 from simstream.bc.prefetch import BatchPrefetcher
 from simstream.bc.train import batch_sampler
 from simstream.bc.vision import (
@@ -195,21 +196,44 @@ def test_the_auxiliary_head_reads_the_cube_poses_as_a_target_never_as_an_input()
     # the auxiliary loss is the head's mean squared error on the normalised positions
     policy.object_mean.fill_(1.0)
     policy.object_std.fill_(2.0)
-    prediction, features = policy.forward_with_features(*changed.inputs())
+    prediction, objects = policy.forward_with_objects(*changed.inputs())
     assert torch.equal(prediction, output)
-    expected = (policy.object_head(features) - (changed.object_targets - 1.0) / 2.0).pow(2).mean()
-    assert torch.allclose(policy.object_loss(policy.object_head(features), changed.object_targets), expected)
+    expected = (objects - (changed.object_targets - 1.0) / 2.0).pow(2).mean()
+    assert torch.allclose(policy.object_loss(objects, changed.object_targets), expected)
 
 
 def test_the_auxiliary_loss_trains_the_camera_encoders():
     batch = _context_batch(torch.Generator().manual_seed(0))
     data = vision_context_batch(batch, H, _instructions(), CAMERAS, objects=True)
     policy = _policy(object_dim=OBJECT_DIM)
-    _, features = policy.forward_with_features(*data.inputs())
-    policy.object_loss(policy.object_head(features), data.object_targets).backward()
+    _, objects = policy.forward_with_objects(*data.inputs())
+    policy.object_loss(objects, data.object_targets).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.object_head.parameters())
     assert policy.encoders["front"].convs[0].weight.grad.abs().sum() > 0
     assert policy.head.weight.grad is None  # the action head is not part of it
+
+
+@pytest.mark.parametrize("object_input", [False, True])
+def test_a_training_loss_runs_the_auxiliary_head_once_and_matches_two_passes(object_input):
+    import contextlib
+
+    from simstream.bc.train import _loss
+
+    data = vision_context_batch(_context_batch(torch.Generator().manual_seed(0)), H, _instructions(), CAMERAS,
+                                objects=True)  # fmt: skip
+    policy = _policy(object_dim=OBJECT_DIM, object_input=object_input)
+    policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask, data.object_targets)
+    policy.eval()  # no random shift: every pass below sees the same frames
+    calls = []
+    policy.object_head.register_forward_hook(lambda *_: calls.append(1))
+    loss = _loss(policy, data, 0.5, contextlib.nullcontext())
+    assert len(calls) == 1
+    prediction = policy(*data.inputs())
+    _, objects = policy.forward_with_objects(*data.inputs())
+    chunk = masked_chunk_loss(prediction.float(), policy.normalize_targets(data.targets), data.loss_mask)
+    assert torch.allclose(loss, chunk + 0.5 * policy.object_loss(objects, data.object_targets))
+    with pytest.raises(ValueError, match="forward_with_objects needs a policy with object_dim > 0"):
+        _policy().forward_with_objects(*data.inputs())
 
 
 def test_fitting_the_normaliser_of_a_policy_with_the_auxiliary_head_needs_its_targets():
@@ -274,10 +298,10 @@ def test_the_action_head_reads_the_estimate_made_from_pixels_not_the_true_cube_p
     with torch.no_grad():  # a different estimate changes the actions: the head does read it
         policy.object_head[-1].bias.add_(1.0)
     assert not torch.allclose(policy(*data.inputs()), output)
-    _, features = policy.forward_with_features(*data.inputs())
-    estimate = policy._estimate_inputs(features, data.proprio[:, -1], data.text)
+    _, objects = policy.forward_with_objects(*data.inputs())
+    estimate = policy._estimate_inputs(objects, data.proprio[:, -1], data.text)
     assert estimate.shape == (B, ESTIMATE_DIM)
-    positions = policy.object_head(features) * policy.object_std + policy.object_mean
+    positions = objects * policy.object_std + policy.object_mean
     expected = (positions - data.proprio[:, -1, 9:12].repeat(1, 3) - policy.offset_mean) / policy.offset_std
     assert torch.allclose(estimate[:, OBJECT_DIM : 2 * OBJECT_DIM], expected, atol=1e-6)
 
@@ -295,13 +319,13 @@ def test_only_the_auxiliary_loss_trains_the_estimate():
 def test_the_instruction_selects_the_named_cubes_slot():
     policy, data = _fitted_estimating_policy()
     policy.eval()
-    _, features = policy.forward_with_features(*data.inputs())
+    _, objects = policy.forward_with_objects(*data.inputs())
     for cube in range(3):
         with torch.no_grad():
             policy.select.weight.zero_()
             policy.select.bias.copy_(torch.full((3,), -1e4))
             policy.select.bias[cube] = 0.0
-        inputs = policy._estimate_inputs(features, data.proprio[:, -1], data.text)
+        inputs = policy._estimate_inputs(objects, data.proprio[:, -1], data.text)
         estimate, offsets = inputs[:, :OBJECT_DIM], inputs[:, OBJECT_DIM : 2 * OBJECT_DIM]
         expected = torch.cat([estimate[:, 3 * cube : 3 * cube + 3], offsets[:, 3 * cube : 3 * cube + 3]], -1)
         assert torch.allclose(inputs[:, 2 * OBJECT_DIM :], expected)

@@ -23,6 +23,7 @@ __all__ = [
     "masked_chunk_loss",
     "observation_features",
     "relative_actions",
+    "select_slot",
 ]
 
 STATE_DIM, OBJECTS_DIM, ACTION_DIM, NUM_JOINTS = 23, 21, 8, 7
@@ -77,6 +78,13 @@ def absolute_actions(relative: torch.Tensor, anchor_state: torch.Tensor) -> torc
     """Inverse of :func:`relative_actions`; ``anchor_state`` needs only the 7 joint positions first."""
     joints = relative[..., :NUM_JOINTS] + anchor_state[:, None, :NUM_JOINTS]
     return torch.cat([joints, relative[..., NUM_JOINTS:]], dim=-1)
+
+
+def select_slot(slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The instructed cube's slot: ``slots [B, ..., cubes, D]`` averaged with weights ``softmax(logits)``,
+    ``logits [B, cubes]`` (from the instruction), -> ``[B, ..., D]``."""
+    weights = logits.softmax(-1)
+    return (slots * weights.view(len(weights), *[1] * (slots.dim() - 3), -1, 1)).sum(-2)
 
 
 def masked_target_stats(targets: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,8 +203,7 @@ class ChunkPolicy(nn.Module):
             ],
             dim=-1,
         )
-        weights = self.select(text).softmax(-1)
-        selected = (slots * weights[:, None, :, None]).sum(-2)
+        selected = select_slot(slots, self.select(text))
         inputs = torch.cat([normed, selected], dim=-1) * mask[..., None]
         inputs = torch.cat([inputs, mask[..., None].to(normed.dtype)], dim=-1).flatten(1)
         x = torch.cat([inputs, text], dim=-1)

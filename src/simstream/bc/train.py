@@ -325,8 +325,7 @@ def _loss(
     """
     if isinstance(policy, VisionPolicy) and policy.config.object_dim:
         with precision:
-            prediction, features = policy.forward_with_features(*data.inputs())
-            objects = policy.object_head(features)
+            prediction, objects = policy.forward_with_objects(*data.inputs())
         chunk = masked_chunk_loss(prediction.float(), policy.normalize_targets(data.targets), data.loss_mask)
         return chunk + object_aux_weight * policy.object_loss(objects.float(), data.object_targets)
     with precision:

@@ -40,6 +40,7 @@ from .policy import (
     cube_positions,
     masked_target_stats,
     relative_actions,
+    select_slot,
 )
 
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ class VisionPolicy(nn.Module):
         """Mean squared error of the auxiliary head on normalised cube positions ``[B, object_dim]``.
 
         Args:
-            prediction: ``object_head(features)``, with the frame features of :meth:`forward_with_features`.
+            prediction: The auxiliary head's output, from :meth:`forward_with_objects`.
             object_targets: Cube positions at the anchor frame (:func:`object_positions`).
         """
         return (prediction - (object_targets - self.object_mean) / self.object_std).pow(2).mean()
@@ -312,13 +313,25 @@ class VisionPolicy(nn.Module):
             mask: ``[B, H]`` bool, True on real frames.
             text: ``[B, text_dim]`` instruction embeddings.
         """
-        return self.forward_with_features(images, proprio, mask, text)[0]
+        return self._run(images, proprio, mask, text, with_objects=False)[0]
 
-    def forward_with_features(
+    def forward_with_objects(
         self, images: dict[str, torch.Tensor], proprio: torch.Tensor, mask: torch.Tensor, text: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` and the frame features ``[B, H * frame_dim]`` the head read (for
-        :meth:`object_loss`); same arguments."""
+        """:meth:`forward` and the auxiliary head's cube positions ``[B, object_dim]`` (normalised, for
+        :meth:`object_loss`), from one pass; same arguments. Needs ``object_dim > 0``."""
+        if not self.config.object_dim:
+            raise ValueError("VisionPolicy.forward_with_objects needs a policy with object_dim > 0")
+        return self._run(images, proprio, mask, text, with_objects=True)
+
+    def _run(
+        self,
+        images: dict[str, torch.Tensor],
+        proprio: torch.Tensor,
+        mask: torch.Tensor,
+        text: torch.Tensor,
+        with_objects: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, history = mask.shape
         frame_text = text.repeat_interleave(history, dim=0)
         parts = [(proprio - self.proprio_mean) / self.proprio_std]
@@ -331,29 +344,34 @@ class VisionPolicy(nn.Module):
         inputs = torch.cat(parts, dim=-1) * mask[..., None]
         features = torch.cat([inputs, mask[..., None].to(text.dtype)], dim=-1).flatten(1)
         x = torch.cat([features, text], dim=-1)
+        # one pass of the auxiliary head serves both its loss and (detached) the action head's inputs
+        objects = self.object_head(features) if with_objects or self.config.object_input else None
         if self.config.object_input:
-            x = torch.cat([x, self._estimate_inputs(features, proprio[:, -1], text)], dim=-1)
+            x = torch.cat([x, self._estimate_inputs(objects, proprio[:, -1], text)], dim=-1)
         film = self.film(text).view(-1, len(self.hidden), 2, self.config.hidden)
         for layer, (linear, norm) in enumerate(zip(self.hidden, self.norms)):
             x = nn.functional.gelu(norm(linear(x)) * (1.0 + film[:, layer, 0]) + film[:, layer, 1])
-        return self.head(x).view(-1, self.config.horizon, ACTION_DIM), features
+        return self.head(x).view(-1, self.config.horizon, ACTION_DIM), objects
 
     def _estimate_inputs(
-        self, features: torch.Tensor, anchor_proprio: torch.Tensor, text: torch.Tensor
+        self, objects: torch.Tensor, anchor_proprio: torch.Tensor, text: torch.Tensor
     ) -> torch.Tensor:
         """The head's extra inputs with ``object_input``: the estimated cube positions, their offsets from
         the gripper at the anchor frame, and the instructed cube's slot (both, normalised), ``[B, 24]``.
 
+        Args:
+            objects: The auxiliary head's output (normalised positions ``[B, object_dim]``).
+
         The estimate is detached: the action loss reads it but only the auxiliary loss trains it, so it
         stays an estimate of where the cubes are.
         """
-        estimate = self.object_head(features).detach().float()
+        estimate = objects.detach().float()
         positions = estimate * self.object_std + self.object_mean
         offsets = (_gripper_offsets(positions, anchor_proprio.float()) - self.offset_mean) / self.offset_std
         slots = torch.cat(
             [estimate.unflatten(-1, (_NUM_CUBES, 3)), offsets.unflatten(-1, (_NUM_CUBES, 3))], -1
         )
-        selected = (slots * self.select(text).float().softmax(-1)[..., None]).sum(-2)
+        selected = select_slot(slots, self.select(text).float())
         return torch.cat([estimate, offsets, selected], dim=-1).to(text.dtype)
 
     @torch.no_grad()
