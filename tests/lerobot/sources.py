@@ -40,6 +40,8 @@ class PatternSpec:
     max_episode_steps: int = 20
     image_size: int | None = None
     fps: int = 20
+    empty_every: int = 0
+    """Every ``empty_every``-th episode of a producer has no frame (length 0); 0: none."""
 
     def fields(self) -> dict[str, Field]:
         fields = {"obs/state": Field((4,)), "actions": Field((2,)), "rewards": Field(())}
@@ -60,6 +62,8 @@ class PatternSource:
         for row in range(self.spec.num_envs):
             tag = 1000 * self.worker_index + self.count
             length = 12 + self.count % 7
+            if self.spec.empty_every and self.count % self.spec.empty_every == self.spec.empty_every - 1:
+                length = 0
             self.count += 1
             t = torch.arange(length, dtype=torch.float32)
             state = torch.stack([torch.full_like(t, tag), t, t / 10, torch.full_like(t, -tag)], dim=1)
@@ -69,7 +73,8 @@ class PatternSource:
             if self.spec.image_size:
                 images = np.stack([pattern(tag, k, self.spec.image_size) for k in range(length)])
                 rows["obs", "image"][row, :length] = torch.from_numpy(images)
-            episodes.append(Episode(length, True, TASKS[tag % 2], expected_segments(length), terminated=True))
+            segments = expected_segments(length) if length else []
+            episodes.append(Episode(length, True, TASKS[tag % 2], segments, terminated=True))
         return episodes
 
     def close(self) -> None:

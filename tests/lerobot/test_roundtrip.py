@@ -21,9 +21,17 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _record(
-    root, *, image_size=None, video=True, episodes=10, on_full="wait", num_workers=2, video_codec="av1"
+    root,
+    *,
+    image_size=None,
+    video=True,
+    episodes=10,
+    on_full="wait",
+    num_workers=2,
+    video_codec="av1",
+    empty_every=0,
 ):
-    spec = PatternSpec(image_size=image_size)
+    spec = PatternSpec(image_size=image_size, empty_every=empty_every)
     cfg = OnlineDataEngineCfg(source=spec, buffer_size=4, num_workers=num_workers, refill_policy="manual")
     engine = OnlineDataEngine(cfg)
     recorder = LeRobotRecorder(
@@ -213,6 +221,32 @@ def test_skip_mode_counts_what_producers_overwrote(tmp_path):
     gate.before_claim(0, 4, torch.tensor([9, 9, 9, 9]), stop)  # detached: never waits
     with pytest.raises(ValueError, match="RecordGate mode must be 'wait' or 'skip', got 'drop'"):
         gate.attach("drop")
+
+
+def test_episodes_without_frames_are_counted_and_never_wedge_the_producers(tmp_path):
+    """A source may publish an episode of length 0; the recorder marks its row copied (so the producer can
+    claim it again) and counts it, and the dataset holds every other episode."""
+    recorder, skipped = _record(tmp_path / "ds", episodes=8, num_workers=1, empty_every=3)
+    assert skipped == 0
+    assert recorder.episodes_empty >= 3  # every third episode of the one producer, 8 recorded around them
+    meta = read_dataset_meta(tmp_path / "ds")
+    lengths = [int(episode["length"]) for episode in meta.episodes]
+    assert len(lengths) == 8 and min(lengths) >= 12
+    source = LeRobotSpec(tmp_path / "ds").build(0, 0)
+    try:
+        tags = [_tag_of(source.reader.read(e).frames) for e in range(len(lengths))]
+    finally:
+        source.close()
+    assert tags == [tag for tag in range(12) if tag % 3 != 2][:8]  # in order, none lost, none empty
+
+
+def test_a_recorder_counts_only_its_own_skips(tmp_path):
+    cfg = OnlineDataEngineCfg(source=PatternSpec(), buffer_size=4, num_workers=1, refill_policy="manual")
+    engine = OnlineDataEngine(cfg)
+    engine._shared.record_gate.skipped[1] = 5  # what an earlier recorder in skip mode left counted
+    recorder = LeRobotRecorder(engine, tmp_path / "ds", on_full="skip")
+    with recorder, engine:
+        assert recorder.episodes_skipped == 0
 
 
 def test_episode_writer_claim_passes_through_the_gate():

@@ -127,7 +127,10 @@ class LeRobotRecorder:
         """Episodes copied out of the buffer (flushed or pending)."""
         self.episodes_filtered = 0
         """Episodes left out by ``only_success``."""
+        self.episodes_empty = 0
+        """Published episodes of 0 frames (a source may report them): nothing to record, never written."""
         self._base = self.writer.episodes_flushed
+        self._skipped_base = self._shared.record_gate.total_skipped()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
@@ -148,8 +151,8 @@ class LeRobotRecorder:
 
     @property
     def episodes_skipped(self) -> int:
-        """Published episodes producers overwrote before the recorder copied them (``on_full="skip"``)."""
-        return self._shared.record_gate.total_skipped()
+        """Published episodes producers overwrote before this recorder copied them (``on_full="skip"``)."""
+        return self._shared.record_gate.total_skipped() - self._skipped_base
 
     @property
     def bytes_written(self) -> int:
@@ -171,6 +174,7 @@ class LeRobotRecorder:
         """Attach to the engine's record gate and start copying."""
         if self._thread is not None:
             raise RuntimeError("LeRobotRecorder.start() was already called")
+        self._skipped_base = self._shared.record_gate.total_skipped()  # an earlier recorder's skips
         self._shared.record_gate.attach(self.on_full)
         self._writer_thread = threading.Thread(target=self._write, name="lerobot-writer", daemon=True)
         self._writer_thread.start()
@@ -303,6 +307,9 @@ class LeRobotRecorder:
             episode_id, episode = record
             self._shared.record_gate.mark_recorded(int(row), episode_id)
             copied += 1
+            if episode is None:  # no frame: nothing a LeRobot episode could hold
+                self.episodes_empty += 1
+                continue
             if self.only_success and not episode.success:
                 self.episodes_filtered += 1
                 continue
@@ -310,8 +317,9 @@ class LeRobotRecorder:
             self.episodes_recorded += 1
         return copied
 
-    def _copy_row(self, views: _RowViews, row: int) -> tuple[int, EpisodeRecord] | None:
-        """Copy one published row under its seqlock; ``None`` when it changed meanwhile (skip mode)."""
+    def _copy_row(self, views: _RowViews, row: int) -> tuple[int, EpisodeRecord | None] | None:
+        """Copy one published row under its seqlock; ``None`` when it changed meanwhile (skip mode); the
+        episode is ``None`` when it has no frame (it still counts as copied: its row may be claimed)."""
         version = int(views.version[row])
         episode_id = int(views.episode_id[row])
         if version & 1 or episode_id < 0:
@@ -322,7 +330,7 @@ class LeRobotRecorder:
         if int(views.version[row]) != version or int(views.episode_id[row]) != episode_id:
             return None
         if not length:
-            return None
+            return episode_id, None
         task = self._text(int(meta["task_index"][0]), "task")
         subtask_ids = meta["subtask_index"]
         texts = {int(i): self._text(int(i), "subtask") for i in np.unique(subtask_ids)}
