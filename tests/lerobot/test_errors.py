@@ -157,6 +157,43 @@ def test_key_map_naming_a_field_the_source_lacks():
         features_from_fields(PatternSpec().fields(), KeyMap({"observation.x": "obs/nope"}), video=True)
 
 
+@pytest.mark.parametrize(
+    ("fields", "key_map", "fragment"),
+    [
+        ({"obs/state": Field((2,)), "actions": Field((2,))}, {"observation.state": "actions"},
+         r"fields 'obs/state' and 'actions' would both be the LeRobot feature 'observation.state'"),
+        ({"action": Field((2,)), "actions": Field((2,))}, {},
+         r"fields 'action' and 'actions' would both be the LeRobot feature 'action'"),
+        ({"obs/x": Field(()), "observation/x": Field(())}, {},
+         r"fields 'obs/x' and 'observation/x' would both be the LeRobot feature 'observation.x'"),
+    ],
+)  # fmt: skip
+def test_two_fields_with_one_key_are_refused(fields, key_map, fragment):
+    with pytest.raises(ValueError, match=fragment + r" \(one column, one of them lost\)"):
+        features_from_fields(fields, KeyMap(key_map), video=True)
+
+
+@pytest.mark.parametrize(
+    "name", ["timestamp", "index", "frame_index", "task_index", "segment_id", "subtask_index"]
+)
+def test_a_field_named_like_a_column_of_the_dataset_is_refused(name):
+    with pytest.raises(ValueError, match=rf"field '{name}' would be the LeRobot feature '{name}', a column"):
+        features_from_fields({"obs/state": Field((2,)), name: Field(())}, KeyMap(), video=True)
+    features = features_from_fields(  # renamed, it is a feature like any other
+        {"obs/state": Field((2,)), name: Field(())}, KeyMap({f"my.{name}": name}), video=True
+    )
+    assert [f.key for f in features] == ["observation.state", f"my.{name}"]
+
+
+def test_two_features_that_would_be_one_field_are_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"info.json: features 'observation.images.top' and 'observation.images.front' would both be "
+        r"the field 'obs/images/front'",
+    ):
+        LeRobotSpec(FIXTURE, key_map={"observation.images.top": "obs/images/front"})
+
+
 def test_stats_aggregate_per_group_as_over_all_episodes():
     """The writer folds each group into running stats: the aggregation must be associative."""
     import numpy as np

@@ -92,12 +92,25 @@ def features_from_fields(fields: dict[str, Field], key_map: KeyMap, video: bool)
 
     Raises:
         ValueError: a field LeRobot cannot hold (a dtype outside float32/64, int32/64, bool; a non-camera
-            field of more than one dimension), naming it.
+            field of more than one dimension), a field whose key is one of the dataset's own columns, or
+            two fields with one key, naming them.
     """
     key_map.check_known_fields(fields, "the source")
     features = []
+    owners: dict[str, str] = {}
     for name, field in fields.items():
         key = key_map.feature(name)
+        if key in BOOKKEEPING_KEYS or key in EXTRA_KEYS:
+            raise ValueError(
+                f"field {name!r} would be the LeRobot feature {key!r}, a column every dataset of ours "
+                "already has (its own values would be replaced): give it another key with key_map"
+            )
+        if key in owners:
+            raise ValueError(
+                f"fields {owners[key]!r} and {name!r} would both be the LeRobot feature {key!r} (one "
+                "column, one of them lost): give one of them another key with key_map"
+            )
+        owners[key] = name
         if field.dtype == torch.uint8 and len(field.shape) == 3 and field.shape[0] == 3:
             features.append(Feature(key, name, "video" if video else "image", field.shape))
         elif field.dtype in _DTYPES and len(field.shape) <= 1:
@@ -142,8 +155,14 @@ def info_features(features: list[Feature], fps: int, video_codec: str = "av1") -
 def features_from_info(
     info: dict[str, Any], scalar_keys: set[str], key_map: KeyMap, path: Path
 ) -> list[Feature]:
-    """Payload features of ``info.json`` (bookkeeping, extras and string features left out)."""
+    """Payload features of ``info.json`` (bookkeeping, extras and string features left out).
+
+    Raises:
+        LeRobotFormatError: a camera feature whose shape is not 3-D.
+        ValueError: two features that would be one field (naming both; a ``key_map`` tells them apart).
+    """
     features = []
+    owners: dict[str, str] = {}
     for key, spec in info["features"].items():
         if key in BOOKKEEPING_KEYS or key in EXTRA_KEYS:
             continue
@@ -158,7 +177,15 @@ def features_from_info(
             features.append(Feature(key, key_map.field(key), dtype, shape))
         elif dtype in _TORCH and len(shape) == 1:
             features.append(Feature(key, key_map.field(key), dtype, shape, scalar=key in scalar_keys))
-        # string, audio and multi-dimensional features are not payload fields: skipped
+        else:  # string, audio and multi-dimensional features are not payload fields: skipped
+            continue
+        field = features[-1].field
+        if field in owners:
+            raise ValueError(
+                f"{path}: features {owners[field]!r} and {key!r} would both be the field {field!r} (one of "
+                "them overwritten in every frame): give one of them another name with key_map"
+            )
+        owners[field] = key
     return features
 
 
