@@ -129,6 +129,39 @@ def test_features_that_do_not_match_on_append(tmp_path):
         DatasetWriter(tmp_path / "ds", features, 30)
 
 
+def test_appending_a_field_of_shape_1_to_a_scalar_column_is_refused(tmp_path):
+    """LeRobot's shape [1] is a plain column for a field of shape () and a list column for (1,): appending
+    the other kind would leave a column of two types that no reader could replay."""
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20)
+    writer.add(pattern_record(0, image_size=None))
+    writer.flush()
+    listed = features_from_fields({**PatternSpec().fields(), "rewards": Field((1,))}, KeyMap(), video=True)
+    with pytest.raises(
+        ValueError,
+        match=r"data/chunk-000/file-000.parquet: column 'rewards' holds one value per frame; the "
+        r"recording's field 'rewards' has shape \(1,\)",
+    ):
+        DatasetWriter(tmp_path / "ds", listed, 20)
+    DatasetWriter(tmp_path / "ds", features, 20)  # the same shapes append
+
+
+def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(tmp_path):
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20, robot_type="franka")
+    writer.add(pattern_record(0, image_size=None))
+    writer.flush()
+    info = tmp_path / "ds" / "meta" / "info.json"
+    writer = DatasetWriter(tmp_path / "ds", features, 20)  # e.g. simstream record into the same folder
+    writer.add(pattern_record(1, image_size=None))
+    writer.flush()
+    assert json.loads(info.read_text())["robot_type"] == "franka"
+    writer = DatasetWriter(tmp_path / "ds", features, 20, robot_type="ur5")
+    writer.add(pattern_record(2, image_size=None))
+    writer.flush()
+    assert json.loads(info.read_text())["robot_type"] == "ur5"
+
+
 def test_appending_to_a_dataset_not_written_by_simstream(fixture_copy):
     features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
     before = {p: p.read_bytes() for p in fixture_copy.rglob("*") if p.is_file()}

@@ -265,6 +265,14 @@ def _png(data: bytes, feature: Feature, path: Path) -> np.ndarray:
 
 def payload_features(meta: DatasetMeta, key_map: KeyMap) -> list[Feature]:
     """The dataset's payload features, named by the rule and ``key_map``."""
+    scalar = scalar_columns(meta)
+    key_map.check_known(meta.info["features"], str(meta.root / "meta" / "info.json"))
+    return features_from_info(meta.info, scalar, key_map, meta.root / "meta" / "info.json")
+
+
+def scalar_columns(meta: DatasetMeta) -> set[str]:
+    """Columns of the first data file that hold one value per frame, not a list (LeRobot's shape ``[1]``
+    is either); empty for a dataset without episodes."""
     import pyarrow.parquet as pq
 
     scalar: set[str] = set()
@@ -282,5 +290,4 @@ def payload_features(meta: DatasetMeta, key_map: KeyMap) -> list[Feature]:
 
         scalar = {name for name in schema.names if not pa.types.is_list(schema.field(name).type)
                   and not pa.types.is_fixed_size_list(schema.field(name).type)}  # fmt: skip
-    key_map.check_known(meta.info["features"], str(meta.root / "meta" / "info.json"))
-    return features_from_info(meta.info, scalar, key_map, meta.root / "meta" / "info.json")
+    return scalar

@@ -141,6 +141,10 @@ class DatasetWriter:
                 f"{self.root}/meta/info.json: features {sorted(info['features'])} do not match the "
                 f"recording's {sorted(expected)} (same keys, dtypes and shapes needed to append)"
             )
+        if state["total_episodes"]:
+            self._check_scalars()
+        if self.robot_type is None:  # a recording that does not say keeps what the dataset says
+            self.robot_type = info.get("robot_type")
         self.tasks = {t: i for i, t in enumerate(state["tasks"])}
         self.subtasks = {t: i for i, t in enumerate(state["subtasks"])}
         self._language_written = (len(self.tasks), len(self.subtasks))
@@ -148,6 +152,23 @@ class DatasetWriter:
         self.episodes_flushed = state["total_episodes"]
         self.frames_flushed = state["total_frames"]
         self.next_file = state["next_file"]
+
+    def _check_scalars(self) -> None:
+        """LeRobot's shape ``[1]`` is a field of shape ``()`` (a plain column) or ``(1,)`` (a list column):
+        appending the other kind would leave columns of two types that no reader can replay."""
+        from .dataset import read_dataset_meta, scalar_columns
+
+        meta = read_dataset_meta(self.root)
+        stored = scalar_columns(meta)
+        for feature in self.features:
+            if not feature.visual and feature.scalar != (feature.key in stored):
+                kind = "one value per frame" if feature.key in stored else "a list per frame"
+                shape = () if feature.scalar else feature.shape
+                raise ValueError(
+                    f"{meta.data_path(meta.episodes[0])}: column {feature.key!r} holds {kind}; the "
+                    f"recording's field {feature.field!r} has shape {shape}, which would store the other "
+                    "kind (same field shapes needed to append)"
+                )
 
     # -- writing --------------------------------------------------------------------------------------
     def add(self, episode: EpisodeRecord) -> None:
