@@ -162,6 +162,27 @@ def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(
     assert json.loads(info.read_text())["robot_type"] == "ur5"
 
 
+@pytest.mark.parametrize(
+    ("codec", "size", "rule"),
+    [("h264", (15, 16), "even height and width"), ("h264", (16, 17), "even height and width"),
+     ("av1", (3, 8), "height and width >= 4")],
+)  # fmt: skip
+def test_video_frames_the_codec_cannot_encode_are_refused_before_anything_is_written(
+    tmp_path, codec, size, rule
+):
+    height, width = size
+    features = features_from_fields({"obs/image": Field((3, height, width), torch.uint8)}, KeyMap(), True)
+    with pytest.raises(
+        ValueError,
+        match=rf"field 'obs/image': {codec} video needs {rule}; its frames are {height}x{width}\. Record it "
+        r"as PNG images \(video=False, --no-video\)",
+    ):
+        DatasetWriter(tmp_path / "ds", features, 20, video_codec=codec)
+    assert not (tmp_path / "ds").exists()
+    as_png = features_from_fields({"obs/image": Field((3, height, width), torch.uint8)}, KeyMap(), False)
+    DatasetWriter(tmp_path / "ds", as_png, 20, video_codec=codec)  # PNG images have no such rule
+
+
 def test_appending_to_a_dataset_not_written_by_simstream(fixture_copy):
     features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
     before = {p: p.read_bytes() for p in fixture_copy.rglob("*") if p.is_file()}

@@ -29,6 +29,7 @@ __all__ = [
     "Feature",
     "LeRobotFormatError",
     "atomic_write_bytes",
+    "check_video_frames",
     "features_from_fields",
     "info_features",
 ]
@@ -44,11 +45,35 @@ QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 VIDEO_GOP = 2
 VIDEO_CODECS: dict[str, dict[str, Any]] = {
     # LeRobot's own default: smallest files, ~27 ms of CPU per 70-frame 64x64 episode (2 vCPU machine)
-    "av1": {"encoder": "libsvtav1", "crf": 30, "preset": 12},
+    "av1": {"encoder": "libsvtav1", "crf": 30, "preset": 12, "frame_rule": "height and width >= 4"},
     # ~5 ms per such episode (one encoder thread) and more bytes: for recording beside busy producers
-    "h264": {"encoder": "libx264", "crf": 23, "preset": "ultrafast"},
+    "h264": {"encoder": "libx264", "crf": 23, "preset": "ultrafast", "frame_rule": "even height and width"},
 }
-"""The video codecs a dataset can be written with (``video.codec`` in ``info.json``); PyAV decodes both."""
+"""The video codecs a dataset can be written with (``video.codec`` in ``info.json``); PyAV decodes both.
+``frame_rule``: the frame sizes the encoder opens for (measured with PyAV's FFmpeg)."""
+
+
+def check_video_frames(features: list[Feature], video_codec: str) -> None:
+    """Raise before anything is written if a video feature's frames are a size the codec cannot encode
+    (the encoder would otherwise fail at the first flush, with FFmpeg's generic error).
+
+    Raises:
+        ValueError: naming the field, its size, the codec's rule and the ways out.
+    """
+    for feature in features:
+        if feature.dtype != "video":
+            continue
+        _, height, width = feature.shape
+        fits = height % 2 == 0 and width % 2 == 0 if video_codec == "h264" else min(height, width) >= 4
+        if not fits:
+            rule = VIDEO_CODECS[video_codec]["frame_rule"]
+            raise ValueError(
+                f"field {feature.field!r}: {video_codec} video needs {rule}; its frames are "
+                f"{height}x{width}. Record it as PNG images (video=False, --no-video) or use another frame "
+                "size or codec"
+            )
+
+
 """LeRobot's defaults: AV1 (SVT-AV1 through PyAV), a key frame every 2 frames (cheap seeks), CRF 30."""
 _DTYPES = {
     torch.float32: "float32",

@@ -39,6 +39,7 @@ from .format import (
     Feature,
     LeRobotFormatError,
     aggregate_stats,
+    check_video_frames,
     columns_stats,
     commit_file,
     hf_features,
@@ -112,8 +113,10 @@ class DatasetWriter:
         self._pending: list[EpisodeRecord] = []
         self._language_written = (0, 0)
         if (self.root / "meta" / "info.json").exists():
-            self._resume()
+            self._resume()  # it may switch to the dataset's codec
+            check_video_frames(self.features, self.video_codec)
         else:
+            check_video_frames(self.features, self.video_codec)
             self.root.mkdir(parents=True, exist_ok=True)
             self._write_meta()
 
