@@ -176,6 +176,34 @@ def test_video_round_trips_within_tolerance(tmp_path, codec):
     assert errors.mean() <= 8 and np.median(errors) <= 4
 
 
+def test_a_reader_keeps_a_few_video_files_open_however_many_the_dataset_has(tmp_path):
+    """One video file per camera per flushed group: a long recording holds thousands, more file descriptors
+    than a process may have. The reader keeps the 4 it used last open."""
+    import os
+
+    from simstream.lerobot.format import features_from_fields
+    from simstream.lerobot.names import KeyMap
+
+    from .sources import pattern_record
+
+    features = features_from_fields(PatternSpec(image_size=16).fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20, video_codec="h264")
+    for tag in range(10):
+        writer.add(pattern_record(tag, image_size=16))
+        writer.flush()  # a group, and a video file, per episode
+    assert len(list((tmp_path / "ds" / "videos").rglob("*.mp4"))) == 10
+    source = LeRobotSpec(tmp_path / "ds").build(0, 0)
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        for e in [*range(10), 0, 9]:  # the first file again, after it was closed
+            assert _tag_of(source.reader.read(e).frames) == e
+            assert len(source.reader._containers) <= 4
+        assert len(os.listdir("/proc/self/fd")) <= fds + 4
+    finally:
+        source.close()
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
 def test_appending_keeps_the_datasets_codec_and_a_bad_codec_is_refused(tmp_path):
     _record(tmp_path / "vid", image_size=32, episodes=2, num_workers=1, video_codec="h264")
     recorder, _ = _record(tmp_path / "vid", image_size=32, episodes=2, num_workers=1, video_codec="av1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from .format import CODEBASE_VERSION, DATA_PATH, VIDEO_PATH, Feature, LeRobotFor
 from .names import KeyMap
 
 __all__ = ["DatasetMeta", "EpisodeReader", "read_dataset_meta"]
+
+_OPEN_VIDEOS_PER_CAMERA = 4
+"""Video files an :class:`EpisodeReader` keeps open per camera (each holds a file descriptor)."""
 
 
 @dataclass
@@ -149,7 +153,10 @@ class EpisodeReader:
         self.meta = meta
         self.features = features
         self._table: tuple[Path, dict[str, Any]] | None = None
-        self._containers: dict[Path, Any] = {}
+        self._containers: OrderedDict[Path, Any] = OrderedDict()
+        """Open video files, least recently used first: a dataset holds one file per camera per recorded
+        group, thousands in a long recording, more than a process may keep open."""
+        self._open_videos = _OPEN_VIDEOS_PER_CAMERA * max(1, sum(f.dtype == "video" for f in features))
 
     def _columns(self, path: Path) -> dict[str, Any]:
         if self._table is not None and self._table[0] == path:
@@ -216,6 +223,10 @@ class EpisodeReader:
             except av.error.FFmpegError as error:
                 raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
             self._containers[path] = container
+            while len(self._containers) > self._open_videos:
+                self._containers.popitem(last=False)[1].close()
+        else:
+            self._containers.move_to_end(path)
         stream = container.streams.video[0]
         start = float(ep[f"videos/{feature.key}/from_timestamp"])
         fps = self.meta.fps
