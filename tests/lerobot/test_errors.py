@@ -100,6 +100,37 @@ def test_truncated_video_file(fixture_copy):
         _read_all(fixture_copy)
 
 
+@pytest.mark.parametrize(
+    "column",
+    ["dataset_from_index", "length", "data/file_index", "videos/observation.images.front/from_timestamp"],
+)
+def test_an_episodes_file_without_a_column_episodes_need(fixture_copy, column):
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    pq.write_table(pq.read_table(path).drop_columns([column]), path)
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{path}: has no column\(s\) \['{column}'\] that every episode needs"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        ({"fps": "20"}, r"fps must be an int >= 1, got '20'"),
+        ({"fps": 0}, r"fps must be an int >= 1, got 0"),
+        ({"features": []}, r"features must map each key to a dict, got \[\]"),
+        ({"features": {"observation.state": "float32"}}, r"features must map each key to a dict"),
+    ],
+)
+def test_info_json_values_of_the_wrong_kind(fixture_copy, edit, fragment):
+    info_path = fixture_copy / "meta" / "info.json"
+    info_path.write_text(json.dumps({**json.loads(info_path.read_text()), **edit}))
+    with pytest.raises(LeRobotFormatError, match=rf"{info_path}: {fragment}"):
+        LeRobotSpec(fixture_copy)
+
+
 def test_unknown_key_in_key_map():
     with pytest.raises(
         ValueError, match=r"key_map names LeRobot key\(s\) \['observation.nope'\] that .*info.json"

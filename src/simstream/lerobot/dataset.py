@@ -20,6 +20,15 @@ from .names import KeyMap
 
 __all__ = ["DatasetMeta", "EpisodeReader", "read_dataset_meta"]
 
+_EPISODE_COLUMNS = (
+    "episode_index",
+    "length",
+    "dataset_from_index",
+    "dataset_to_index",
+    "data/chunk_index",
+    "data/file_index",
+)
+"""Columns of ``meta/episodes/*/*.parquet`` that reading an episode needs (and each video key's three)."""
 _OPEN_VIDEOS_PER_CAMERA = 4
 """Video files an :class:`EpisodeReader` keeps open per camera (each holds a file descriptor)."""
 
@@ -115,10 +124,24 @@ def read_dataset_meta(root: Path | str) -> DatasetMeta:
     for name in ("fps", "features"):
         if name not in info:
             raise LeRobotFormatError(f"{info_path}: has no {name!r}")
+    fps = info["fps"]
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+        raise LeRobotFormatError(f"{info_path}: fps must be an int >= 1, got {fps!r}")
+    features = info["features"]
+    if not isinstance(features, dict) or not all(isinstance(v, dict) for v in features.values()):
+        raise LeRobotFormatError(f"{info_path}: features must map each key to a dict, got {features!r:.80}")
+    required = [*_EPISODE_COLUMNS]
+    for key, spec in features.items():
+        if spec.get("dtype") == "video":
+            required += [f"videos/{key}/{name}" for name in ("chunk_index", "file_index", "from_timestamp")]
     episodes: list[dict[str, Any]] = []
     folder = root / "meta" / "episodes"
     for path in sorted(folder.glob("chunk-*/file-*.parquet")) if folder.exists() else []:
-        episodes.extend(_read_table(path).to_pylist())
+        table = _read_table(path)
+        missing = [name for name in required if name not in table.column_names]
+        if missing:
+            raise LeRobotFormatError(f"{path}: has no column(s) {missing} that every episode needs")
+        episodes.extend(table.to_pylist())
     episodes.sort(key=lambda e: e["episode_index"])
     expected_from = 0
     for position, ep in enumerate(episodes):
