@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -239,7 +239,7 @@ class MixSpec:
                 f"MixSpec.weights must hold one weight per spec ({len(specs)}), got {len(weights)}"
             )
         for k, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            if isinstance(w, bool) or not isinstance(w, Real) or not 0 <= w < float("inf"):
                 raise ValueError(f"MixSpec.weights[{k}] must be a finite number >= 0, got {w!r}")
         if sum(weights) <= 0:
             raise ValueError(f"MixSpec.weights must not all be 0, got {list(weights)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -55,6 +56,12 @@ def test_every_frame_carries_its_source_index_through_the_engine():
         assert batch[SOURCE_INDEX].shape == (8, 4)
 
 
+def test_numpy_weights_are_numbers_like_any_other():
+    spec = MixSpec((PatternSpec(), PatternSpec()), np.array([3, 1]))
+    assert spec.weights == (3.0, 1.0) and all(type(w) is float for w in spec.weights)
+    assert MixSpec((PatternSpec(),), (np.float32(0.5),)).weights == (0.5,)
+
+
 @pytest.mark.parametrize(
     ("specs", "weights", "fragment"),
     [
@@ -63,6 +70,8 @@ def test_every_frame_carries_its_source_index_through_the_engine():
         ((PatternSpec(),), (-1,), r"MixSpec.weights\[0\] must be a finite number >= 0, got -1"),
         ((PatternSpec(),), (float("nan"),), r"MixSpec.weights\[0\] must be a finite number >= 0"),
         ((PatternSpec(),), (True,), r"MixSpec.weights\[0\] must be a finite number >= 0, got True"),
+        ((PatternSpec(),), (np.bool_(True),), r"MixSpec.weights\[0\] must be a finite number >= 0"),
+        ((PatternSpec(),), ("1",), r"MixSpec.weights\[0\] must be a finite number >= 0, got '1'"),
         ((PatternSpec(), PatternSpec()), (0, 0), r"MixSpec.weights must not all be 0, got \[0, 0\]"),
         (
             (PatternSpec(), PatternSpec(image_size=16)),
@@ -80,7 +89,19 @@ def test_every_frame_carries_its_source_index_through_the_engine():
             r"MixSpec.specs\[1\] has other fields than specs\[0\]",
         ),
     ],
-    ids=["empty", "count", "negative", "nan", "bool", "all-zero", "fields", "num-envs", "other-source"],
+    ids=[
+        "empty",
+        "count",
+        "negative",
+        "nan",
+        "bool",
+        "numpy-bool",
+        "string",
+        "all-zero",
+        "fields",
+        "num-envs",
+        "other-source",
+    ],
 )
 def test_refusals(specs, weights, fragment):
     with pytest.raises(ValueError, match=fragment):
