@@ -161,6 +161,44 @@ def test_rows_being_written_are_never_sampled():
     assert set(batch["obs"][:, 0, 0].long().tolist()) == {0, 2}
 
 
+def _finish(harness: Harness, start: int, end: int, length: int) -> None:
+    """Write and publish claimed rows ``[start, end)``: episodes of ``length`` frames, obs = (row, t)."""
+    view = harness.storage.rows_view(start, end, payload_only=True)
+    for offset in range(end - start):
+        view["obs"][offset, :length, 0] = float(start + offset)
+        view["obs"][offset, :length, 1] = torch.arange(length, dtype=torch.float32)
+        view["actions"][offset, :length, 0] = torch.arange(length, dtype=torch.float32)
+    harness.writer.write(start, [Episode(length=length)] * (end - start), attempt=0)
+    harness.writer.publish(start, end, 2, harness.next_episode)
+    harness.next_episode += end - start
+
+
+def test_a_row_claimed_again_after_it_settled_is_waited_for():
+    """The wait gives up early only when every row kept one published version through the latest try: a row
+    that settled (too short to serve) and was claimed since may come back serving the request."""
+    harness = Harness(rows=4, steps=8)
+    for row in range(4):
+        harness.publish(row, Episode(length=2))  # too short for a chunk of 8
+    harness.writer.claim(2, 4)  # a producer rewrites rows 2 and 3
+    tries = []
+
+    def check_ready():
+        tries.append(1)
+        if (
+            len(tries) == 2
+        ):  # rows 0 and 1 have settled; rows 2 and 3 come back short, then 0 and 1 are claimed
+            _finish(harness, 2, 4, length=2)
+            harness.writer.claim(0, 2)
+        if len(tries) == 4:  # rows 0 and 1 come back long enough
+            _finish(harness, 0, 2, length=8)
+
+    batch = harness.sampler.sample_chunks(
+        4, 8, "episode", torch.Generator().manual_seed(0), check_ready=check_ready, wait_s=60.0
+    )
+    assert len(tries) == 4
+    assert set(batch["obs"][:, 0, 0].long().tolist()) <= {0, 1} and bool(batch["valid"].all())
+
+
 def test_torn_rows_are_redrawn():
     """A row claimed between selection and the version check is replaced, never returned."""
     harness = Harness(rows=2, steps=STEPS)

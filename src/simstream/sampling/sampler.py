@@ -62,8 +62,9 @@ class _Request(NamedTuple):
 class _Retries:
     """Bounded retries of a request that found no eligible window (see the module docstring).
 
-    ``settled[r]`` becomes true once row ``r`` kept one even version through a whole try that found
-    nothing: it was published then and could not serve the request.
+    ``settled[r]``: row ``r`` kept one even version through the latest try that found nothing, so it was
+    published then and could not serve the request. Only the latest try counts: a row that settled
+    earlier and has been claimed since may be rewritten with an episode that serves it.
     """
 
     def __init__(self, version: np.ndarray, wait_s: float) -> None:
@@ -89,7 +90,7 @@ class _Retries:
     def hopeless(self) -> bool:
         """After a try that found nothing: whether every row has settled."""
         after = self._version.copy()
-        self.settled |= (after == self._before) & ((after & 1) == 0)
+        self.settled = (after == self._before) & ((after & 1) == 0)
         return bool(self.settled.all())
 
 
