@@ -97,6 +97,60 @@ def test_a_silent_death_ends_a_long_wait_for_generation():
         engine.stop()
 
 
+def test_a_producer_sys_exit_is_raised_as_a_worker_error_naming_it():
+    engine = _started(ScriptedSpec(fault="sys_exit", fault_after=2), refill_policy="manual")
+    engine.request_refill()
+    _wait_failed(engine)
+    with pytest.raises(OnlineDataWorkerError) as raised:
+        engine.sample_batch(1, 1)
+    assert (
+        str(raised.value)
+        == "Worker producer-0 raised SystemExit: the simulator gave up (it ended that process)"
+    )
+    assert (
+        isinstance(raised.value.__cause__, SystemExit)
+        and raised.value.__cause__.code == "the simulator gave up"
+    )
+    with pytest.raises(OnlineDataWorkerError, match="raised SystemExit"):
+        engine.stop()
+
+
+def test_a_rollout_that_returns_none_unasked_fails_with_the_reason():
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="none", fault_after=1), refill_policy="manual"))
+    with pytest.raises(
+        ValueError,
+        match=r"EpisodeSource.rollout returned None for rollout 2 although should_stop\(\) is False: None "
+        r"means 'interrupted by should_stop'",
+    ):
+        engine.start()  # the first generation's second window; before, the producer exited 0, unexplained
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
+def test_a_failing_cleanup_publishes_its_error_before_the_state_says_failed(monkeypatch):
+    """A consumer reads the state, then the channel: FAILED must always find the error that explains it."""
+    engine = _started(ScriptedSpec(), refill_policy="manual")
+    seen = []
+    set_state = engine._set_state
+
+    def record(state):
+        if state is OnlineDataEngineState.FAILED:
+            seen.append(engine._shared.channel.error())
+        set_state(state)
+
+    shutdown = engine._shutdown_workers
+
+    def failing_shutdown():
+        shutdown()  # the workers are really stopped; then the cleanup reports a failure
+        raise OSError("cleanup failed")
+
+    monkeypatch.setattr(engine, "_set_state", record)
+    monkeypatch.setattr(engine, "_shutdown_workers", failing_shutdown)
+    with pytest.raises(OSError, match="cleanup failed"):
+        engine.stop()
+    assert len(seen) == 1 and isinstance(seen[0], OSError)
+    assert engine.state is OnlineDataEngineState.FAILED
+
+
 def test_bad_episode_report_fails_with_the_row_and_publishes_nothing():
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="bad_report", max_episode_steps=20)))
     with pytest.raises(ValueError, match=r"Episode.length of row 1 must be an int in \[0, 20\], got 21"):

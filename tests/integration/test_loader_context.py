@@ -109,6 +109,25 @@ def test_a_producer_failure_reaches_the_trainer_through_the_workers():
             iterator._shutdown_workers()
 
 
+def test_a_producer_sys_exit_reaches_the_trainer_through_the_workers_as_a_worker_error():
+    """A DataLoader worker catches only Exception: a producer's SystemExit re-raised as it is would end the
+    worker ("exited unexpectedly ... Details are lost"). It arrives wrapped in OnlineDataWorkerError."""
+    from simstream import OnlineDataWorkerError
+
+    spec = ScriptedSpec(lengths=(20, 9), fault="sys_exit", fault_after=3)
+    with pytest.raises(OnlineDataWorkerError) as raised, _refilling_engine(spec) as engine:
+        iterator = iter(OnlineDataset(engine, chunk_size=2, batch_size=4).loader(num_workers=2, timeout=60))
+        try:
+            for _ in range(100_000):
+                next(iterator)
+        finally:
+            iterator._shutdown_workers()
+    # torch re-raises the worker's exception with its own preamble and the original traceback
+    assert "Worker producer-0 raised SystemExit: the simulator gave up (it ended that process)" in str(
+        raised.value
+    )
+
+
 def test_a_killed_worker_is_reported_not_waited_for():
     """DataLoader's own watchdog still works with direct queues: an error, not a hang.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +53,8 @@ class ScriptedSpec:
     """The first N attempts of every window report a failed episode."""
     fault: str | None = None
     """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise,
-    unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten)."""
+    unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten),
+    sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop)."""
     fault_after: int = 0
     """Rollouts that succeed before the fault fires (per worker)."""
     fault_worker: int = 0
@@ -103,9 +105,14 @@ class ScriptedSource:
         if kind == "stall":
             while not should_stop():
                 threading.Event().wait(0.02)
+        if kind == "sys_exit":
+            sys.exit("the simulator gave up")
 
     def rollout(self, rows, *, attempt: int, should_stop):
         self._fault(should_stop)
+        spec = self.spec
+        if spec.fault == "none" and self.worker == spec.fault_worker and self.rollouts >= spec.fault_after:
+            return None  # though should_stop() is False: a broken source
         spec = self.spec
         episodes = []
         num_rows = rows.batch_size[0]

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from simstream import OnlineDataEngine, OnlineDataEngineState
+from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
 from simstream.workers.channel import ErrorChannel
 from simstream.workers.supervisor import (
     WorkerSpec,
@@ -81,7 +81,9 @@ def test_a_worker_that_dies_before_its_entry_gets_the_diagnosis_and_one_that_ran
     supervisor.start([WorkerSpec(label="ran", target="sys:exit", args=(3,))])
     try:
         assert channel.wait_published(_BOUND_S)
-        assert isinstance(channel.error(), SystemExit)  # its own code ran and reported why it ended
+        error = channel.error()  # its own code ran and reported why it ended
+        assert isinstance(error, OnlineDataWorkerError) and isinstance(error.__cause__, SystemExit)
+        assert str(error) == "Worker ran raised SystemExit: 3 (it ended that process)"
         # its exit status through the supervisor, which joins under the lock its monitor thread takes
         report = supervisor.shutdown(_BOUND_S)
         assert report.exitcodes == {"ran": 3} and not report.forced

@@ -252,7 +252,8 @@ class EngineLifecycle:
         try:
             forced = self._shutdown_workers()
         except BaseException as cleanup_error:
-            self._set_state(State.FAILED)
+            # the error is on the channel before the state says FAILED: a consumer that reads FAILED
+            # finds the error it must raise (it reads the state first)
             error = channel.error() or error
             if self._forced_shutdown:
                 durability = OnlineDataWorkerError(_DURABILITY_MESSAGE)
@@ -262,9 +263,11 @@ class EngineLifecycle:
                 else:
                     add_note(error, _DURABILITY_MESSAGE)
             if error is not None:
+                self._set_state(State.FAILED)
                 add_note(error, f"Worker cleanup also failed: {cleanup_error}")
                 raise error from None
             channel.publish(cleanup_error, "owner")  # a later stop() retries cleanup, then raises it
+            self._set_state(State.FAILED)
             raise
         error = channel.error() or error
         if forced:

@@ -76,7 +76,8 @@ def generate_window(
         The window, or ``None`` when stopped (an interrupted rollout is not a failure).
 
     Raises:
-        ValueError: the report breaks the protocol (names the row).
+        ValueError: the report breaks the protocol (names the row), or is ``None`` while
+            ``should_stop()`` is false.
         RuntimeError: every attempt reported a failed episode.
     """
     num_rows = int(rows.batch_size[0])
@@ -86,7 +87,13 @@ def generate_window(
             reset()
         report = source.rollout(rows, attempt=attempt, should_stop=should_stop)
         if report is None:
-            return None
+            if should_stop():
+                return None
+            raise ValueError(
+                f"EpisodeSource.rollout returned None for rollout {number + 1} although should_stop() is "
+                "False: None means 'interrupted by should_stop'; a finished rollout returns one Episode "
+                "per row"
+            )
         episodes = validate_episodes(report, num_rows, max_steps)
         if all(episode.success for episode in episodes):
             return GeneratedWindow(episodes, attempt, failed)

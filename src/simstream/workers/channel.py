@@ -298,6 +298,8 @@ class ErrorChannel:
         try:
             record = FailureRecord.decode(data)
             error = record.rebuild()
+            if not isinstance(error, Exception):
+                error = _from_another_process(error, record)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             record = FailureRecord("unknown", 0, "builtins", "RuntimeError", message, "", "")
@@ -321,6 +323,17 @@ class ErrorChannel:
                 add_note(error, note)
             self._notes_attached = len(notes)
         return error
+
+
+def _from_another_process(error: BaseException, record: FailureRecord) -> OnlineDataWorkerError:
+    """A ``SystemExit`` (a source's ``sys.exit()``), ``KeyboardInterrupt`` or other non-``Exception`` that
+    another process published, as this process raises it: re-raised as it is, it would end this process
+    (a ``DataLoader`` worker catches only ``Exception``) without a word of where it came from."""
+    wrapper = OnlineDataWorkerError(
+        f"Worker {record.worker} raised {record.type_name}: {record.message} (it ended that process)"
+    )
+    wrapper.__cause__ = error
+    return wrapper
 
 
 class _LockTimeout(Exception):
