@@ -298,6 +298,26 @@ def test_the_trainer_keeps_the_slot_tables_of_every_live_worker():
     assert _send(workers[0], batch)["obs"].tolist() == [[4.0] * 3] * 4
 
 
+def test_a_collected_iterator_lets_go_of_its_workers_slots():
+    """The trainer maps every worker's slot arena while the worker may send batches; once a loader's
+    iterator is gone (its workers shut down), nothing of them stays mapped in the trainer."""
+    import gc
+
+    with _refilling_engine() as engine:
+        loader = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=5).loader(num_workers=2, timeout=60)
+        iterator = iter(loader)
+        batch = None
+        for _ in range(6):
+            batch = next(iterator)
+        pids = {worker.pid for worker in iterator._workers}
+        assert pids <= {pool.pid for pool in slots_module._RECEIVED.values()}
+        kept = batch["obs"].clone()
+        del iterator
+        gc.collect()
+        assert not pids & {pool.pid for pool in slots_module._RECEIVED.values()}
+        assert torch.equal(batch["obs"], kept)  # a batch still held keeps its own memory
+
+
 class _WithPrevious:
     """A transform that also returns the batch before: its slot travels a second time."""
 

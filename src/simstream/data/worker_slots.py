@@ -321,6 +321,14 @@ def _idle_counts() -> tuple[int, int]:
     return _IDLE
 
 
+def release_exited_workers() -> None:
+    """Let go of the output slots of ``DataLoader`` workers that have exited (their arenas' mappings and
+    file descriptors in this process). Runs when a pool arrives, and when an iterator of
+    :meth:`OnlineDataset.loader` is collected (after it has shut its workers down)."""
+    with _RECEIVED_LOCK:
+        _prune_exited_workers()
+
+
 def _prune_exited_workers() -> None:
     for key, pool in list(_RECEIVED.items()):
         try:
