@@ -7,6 +7,7 @@ with the system-wide monotonic clock) to the raise, and that close() left no pro
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 
@@ -151,6 +152,23 @@ def test_hang_is_raised_after_the_heartbeat_timeout_with_the_stack(stamp):
     assert hang_timeout_s <= latency < DETECTION_BOUND_S  # the watchdog, not the pytest timeout
     report = runner.last_close_report
     assert report.forced and not report.still_alive  # a hung collector must be terminated
+    assert mp.active_children() == []
+
+
+def test_a_hang_after_learn_returned_is_diagnosed_by_close_not_blamed_on_a_kill(stamp):
+    """The collector keeps filling the ring after learn() returns; a hang then is found by the watchdog
+    alone. close() must report it as a hang with the stack, not as the SIGTERM it sends."""
+    cfg = _config("hang", hang_timeout_s=1.0)
+    runner = APPORunner(
+        dataclasses.replace(cfg, num_envs=1, steps_per_rollout=8, num_slots=8, minibatch_size=8)
+    )
+    runner.learn(1, log_dir=None)  # the collector hangs at its 40th step, in a later rollout
+    assert runner._channel.wait_published(DETECTION_BOUND_S), "the watchdog never published the hang"
+    report = runner.close()
+    assert report.failure.startswith("Collector process hung: no heartbeat")
+    assert "time.sleep" in report.failure or "_maybe_fault" in report.failure  # its stack, dumped alive
+    assert "signal" not in report.failure.splitlines()[0]
+    assert report.forced and not report.still_alive
     assert mp.active_children() == []
 
 

@@ -158,6 +158,81 @@ def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
         APPORunner(APPOConfig(env_id="InvertedPendulum-v5", mode="serial"), resume=path)
 
 
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [({"normalize_obs": False}, "normalize_obs=True; this runner has normalize_obs=False"),
+     ({"hidden_sizes": (8,)}, r"hidden_sizes=\(16,\); this runner has hidden_sizes=\(8,\)")],
+)  # fmt: skip
+def test_resume_rejects_a_checkpoint_the_collector_would_build_differently(tmp_path, override, fragment):
+    """The learner restores the checkpoint's normaliser and network; the collector builds its own from the
+    config: a difference would make them act and train on different observations, silently."""
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(1, log_dir=str(tmp_path))
+        path = runner.last_run_summary["last_checkpoint"]
+    with pytest.raises(
+        ValueError, match=rf"checkpoint {path} was trained with {fragment} .*pass the checkpoint's"
+    ):
+        APPORunner(_tiny(mode="serial", **override), resume=path)
+
+
+def test_resume_rejects_a_file_that_is_not_a_checkpoint(tmp_path):
+    other, garbage = tmp_path / "other.pt", tmp_path / "garbage.pt"
+    torch.save({"hello": 1}, other)
+    garbage.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=rf"{other} is not an APPORunner checkpoint: it has no \['learner'"):
+        APPORunner(_tiny(mode="serial"), resume=str(other))
+    with pytest.raises(ValueError, match=rf"{garbage} is not a checkpoint torch.load can read"):
+        APPORunner(_tiny(mode="serial"), resume=str(garbage))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_loading_a_checkpoint_into_a_running_runner_keeps_versions_increasing(tmp_path, mode):
+    """A sync collector waits for a version newer than its last: a restored older number would stall it."""
+    cfg = _tiny(mode=mode, runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
+    with APPORunner(cfg) as runner:
+        runner.learn(2, log_dir=None)
+        path = runner.save_checkpoint(str(tmp_path / "two.pt"))
+        runner.learn(2, log_dir=None)
+        before = runner.policy_version
+        runner.load_checkpoint(path)
+        assert runner.policy_version == before + 1  # the restored weights, as the next version
+        runner.learn(2, log_dir=None)
+        assert runner.policy_version == before + 3
+        assert all(row["rl/policy_lag"] >= 0 for row in runner.history)
+
+
+_UNGUARDED_SCRIPT = """
+from simstream.rl import APPOConfig, APPORunner, CollectorDiedError
+from tests.rl.fault_env import env_id
+
+runner = APPORunner(APPOConfig(env_id=env_id("none"), num_envs=1, steps_per_rollout=8, minibatch_size=8))
+try:
+    runner.learn(1, log_dir=None)
+except CollectorDiedError as error:
+    print("REPORT:", error.report, flush=True)
+finally:
+    runner.close()
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_collector_died(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    report = done.stdout.split("REPORT:", 1)[-1]
+    assert "REPORT:" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Collector process exited with code 1" in report
+    assert "It exited before any of its own code ran" in report and '__name__ == "__main__"' in report
+
+
 def test_learn_validates_its_arguments():
     runner = APPORunner(_tiny(mode="serial"))
     with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
@@ -278,6 +353,36 @@ if __name__ == "__main__":
     print(runner.collector_pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the collector is orphaned
 """
+
+
+_CRASHING_SCRIPT = """
+from simstream.rl import APPOConfig, APPORunner
+from tests.rl.fault_env import env_id
+
+if __name__ == "__main__":
+    cfg = APPOConfig(env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16)
+    runner = APPORunner(cfg)
+    runner.learn(1, log_dir=None)
+    print(runner._crash_log.directory, flush=True)
+    raise SystemExit("the script crashes without close()")
+"""
+
+
+def test_a_script_that_crashes_without_close_leaves_no_crash_log_directory(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "crashing.py"
+    script.write_text(_CRASHING_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 1 and "the script crashes without close()" in done.stderr
+    directory = done.stdout.split()[0]
+    assert "simstream-rl-" in directory and not os.path.exists(directory)
 
 
 def test_collector_exits_when_the_learner_is_killed(tmp_path):

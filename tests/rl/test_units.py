@@ -96,6 +96,12 @@ def test_collector_died_error_keeps_its_fields_and_pickles():
         ({"learning_rate": 0.0}, "APPOConfig.learning_rate must be a finite number > 0, got 0.0"),
         ({"hidden_sizes": ()}, "APPOConfig.hidden_sizes must be a non-empty tuple of ints >= 1, got ()"),
         (
+            {"hidden_sizes": [64]},
+            "APPOConfig.hidden_sizes must be a non-empty tuple of ints >= 1, got [64]",
+        ),
+        ({"normalize_obs": "False"}, "APPOConfig.normalize_obs must be True or False, got 'False'"),
+        ({"normalize_obs": None}, "APPOConfig.normalize_obs must be True or False, got None"),
+        (
             {"minibatch_size": 4096},
             "APPOConfig.minibatch_size must be <= num_envs * steps_per_rollout = 1024",
         ),

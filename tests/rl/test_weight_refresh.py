@@ -19,8 +19,8 @@ ENV = "InvertedPendulum-v5"
 STEPS, SWITCH_AT = 12, 5
 
 
-def _collect_one_rollout(refresh_each_step: bool):
-    """Collect one rollout in-process; version 1 is published just before step ``SWITCH_AT``."""
+def _collect_one_rollout(refresh_each_step: bool, switch_at: int = SWITCH_AT):
+    """Collect one rollout in-process; version 1 is published just before step ``switch_at``."""
     obs_dim, act_dim = describe_env(ENV)
     cfg = APPOConfig(env_id=ENV, num_envs=3, steps_per_rollout=STEPS, minibatch_size=8, hidden_sizes=(8,))
     policies = [APPOLearner(cfg, obs_dim, act_dim, "cpu") for _ in range(2)]
@@ -41,7 +41,7 @@ def _collect_one_rollout(refresh_each_step: bool):
 
     def should_stop() -> bool:  # called once before every step
         calls.append(None)
-        if len(calls) == SWITCH_AT + 1:
+        if len(calls) == switch_at + 1:
             weights.publish(policies[1].snapshot(), 1)
         return False
 
@@ -73,6 +73,14 @@ def test_a_policy_published_mid_rollout_is_used_from_the_next_step_and_stamped()
         other = _logp_under(policies[1 - version], data["obs"][t], data["actions"][t])
         assert torch.allclose(data["logp"][t], expected, atol=1e-5), t
         assert not torch.allclose(data["logp"][t], other, atol=1e-3), t
+
+
+def test_a_rollout_whose_first_step_uses_newer_weights_is_stamped_with_them():
+    """Weights published while the collector waited for a slot are used from step 0: the stamp is the
+    oldest version a step used, not the one held before the rollout (which would read as stale)."""
+    taken, data, _ = _collect_one_rollout(refresh_each_step=True, switch_at=0)
+    assert data["versions"].tolist() == [1] * STEPS
+    assert taken.version == 1
 
 
 def test_rollout_refresh_keeps_one_version_per_rollout():

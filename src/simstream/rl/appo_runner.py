@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,18 @@ from .weights import WeightBuffer
 __all__ = ["APPORunner"]
 
 logger = logging.getLogger(__name__)
+
+
+_CHECKPOINT_KEYS = (
+    "learner",
+    "policy_version",
+    "iterations",
+    "env_frames",
+    "trained_frames",
+    "config",
+    "dims",
+)
+"""What :meth:`APPORunner.save_checkpoint` writes."""
 
 
 class APPORunner(AsyncRunner):
@@ -310,15 +323,38 @@ class APPORunner(AsyncRunner):
         return path
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a :meth:`save_checkpoint` file, target network included; the collector gets the weights."""
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        """Restore a :meth:`save_checkpoint` file, target network included; the collector gets the weights.
+
+        On a runner whose collector already runs, the restored weights get the next policy version, not
+        the saved one: versions only increase, or a sync collector would wait for a newer one forever.
+
+        Raises:
+            ValueError: ``path`` is not a checkpoint of this runner, or was trained with other dimensions,
+                network sizes or observation normalisation (naming the difference).
+        """
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as error:
+            raise ValueError(f"{path} is not a checkpoint torch.load can read: {error}") from error
+        missing = [key for key in _CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
+        if missing:
+            raise ValueError(f"{path} is not an APPORunner checkpoint: it has no {missing}")
         if tuple(state["dims"]) != (self.obs_dim, self.act_dim):
             raise ValueError(
                 f"checkpoint {path} has (obs_dim, act_dim) = {tuple(state['dims'])}, "
                 f"{self.config.env_id} has {(self.obs_dim, self.act_dim)}"
             )
+        for name in ("hidden_sizes", "normalize_obs"):  # what the collector builds its own policy from
+            saved, current = state["config"].get(name), getattr(self.config, name)
+            if (tuple(saved) if name == "hidden_sizes" else saved) != current:
+                raise ValueError(
+                    f"checkpoint {path} was trained with {name}={saved!r}; this runner has "
+                    f"{name}={current!r} (the learner would restore the checkpoint's, the collector build "
+                    "this one's): pass the checkpoint's value"
+                )
         self.learner.load_state_dict(state["learner"])
-        self.policy_version = int(state["policy_version"])
+        restored = int(state["policy_version"])
+        self.policy_version = restored if self.weights is None else max(restored, self.policy_version + 1)
         self.iterations_done = int(state["iterations"])
         self.trained_frames = int(state["trained_frames"])
         committed = 0 if self.ring is None else self.ring.stats().committed

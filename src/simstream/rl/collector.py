@@ -164,7 +164,6 @@ class RolloutCollector:
         view = {name: tensor[slot] for name, tensor in self.ring.data.items()}
         episodes = 0
         self._env_s = 0.0
-        oldest = self.version
         for t in range(self.spec.steps):
             if should_stop():
                 return False
@@ -179,7 +178,9 @@ class RolloutCollector:
         view["num_episodes"].fill_(episodes)
         waited, self._waited_s = self._waited_s + started - began, 0.0
         view["timing_s"].copy_(torch.tensor([time.perf_counter() - started, self._env_s, waited]))
-        self.ring.commit(slot, oldest)
+        # the oldest version any step used (the lag cap sees the worst step); read after the steps, since
+        # the first step may already act with weights newer than those held while waiting for the slot
+        self.ring.commit(slot, int(view["versions"].min()))
         return True
 
     def _step(self, view: dict[str, torch.Tensor], t: int, episodes: int) -> int:

@@ -138,12 +138,15 @@ class APPOConfig:
         if self.max_policy_lag is not None:
             require_int(owner, "max_policy_lag", self.max_policy_lag, 0)
         require(
-            len(self.hidden_sizes) >= 1 and all(type(h) is int and h >= 1 for h in self.hidden_sizes),
+            isinstance(self.hidden_sizes, tuple)
+            and len(self.hidden_sizes) >= 1
+            and all(type(h) is int and h >= 1 for h in self.hidden_sizes),
             owner,
             "hidden_sizes",
             "a non-empty tuple of ints >= 1",
             self.hidden_sizes,
         )
+        require(type(self.normalize_obs) is bool, owner, "normalize_obs", "True or False", self.normalize_obs)
         for name in ("learning_rate", "clip_ratio", "max_grad_norm", "rho_bar", "c_bar", "reward_scale"):
             require_number(owner, name, getattr(self, name), 0, low_open=True)
         require_number(owner, "desired_kl", self.desired_kl, 0, low_open=True, optional=True)

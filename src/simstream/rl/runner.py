@@ -175,8 +175,11 @@ class AsyncRunner(ABC):
             # Nothing was started (spawn failed before the child existed): leave no half-built state.
             self._supervisor.stop_monitor()
             self._supervisor = None
+            self._crash_log.cleanup()
             raise
-        self._finalizer = weakref.finalize(self, _emergency_stop, self._stop_event, self._supervisor)
+        self._finalizer = weakref.finalize(
+            self, _emergency_stop, self._stop_event, self._supervisor, self._crash_log
+        )
 
     def _raise_if_closed(self) -> None:
         if self.last_close_report is not None:
@@ -259,6 +262,10 @@ class AsyncRunner(ABC):
         if record is not None and not from_monitor and record.traceback_text:
             traceback_text = record.traceback_text
         report = format_collector_death(exitcode, traceback_text)
+        if from_monitor and exitcode is not None:  # e.g. it died preparing: a script without a main guard
+            note = self._supervisor.exit_note(_LABEL, exitcode).strip()
+            if note:
+                report += f"\n{note}"
         if traceback_text is None:
             native = self._crash_log.read()
             if native:
@@ -299,6 +306,14 @@ class AsyncRunner(ABC):
         """
         if self.last_close_report is not None:
             return self.last_close_report
+        if self._failure is None and self._supervisor is not None and self._channel.is_set():
+            # a failure nobody has diagnosed yet (published after the last check): diagnose it while the
+            # collector may still be alive, so a hang gets its stack dump and no grace, not a SIGTERM
+            # that would read as an external kill
+            try:
+                self._failure = self._diagnose()
+            except Exception:  # close() never raises; the report below still says what it can
+                logger.exception("diagnosing the collector's failure failed")
         self._stop_event.set()
         exitcode, forced, still_alive, failure = None, False, False, None
         if self._supervisor is not None:
@@ -371,10 +386,14 @@ def _join_feeder(queue: mp.queues.Queue, timeout_s: float) -> None:
         )
 
 
-def _emergency_stop(stop_event, supervisor: WorkerSupervisor) -> None:
+def _emergency_stop(stop_event, supervisor: WorkerSupervisor, crash_log: CrashLog) -> None:
     """Runs if a started runner is garbage-collected or the interpreter exits without ``close()``."""
     try:
         stop_event.set()
         supervisor.shutdown(2.0)
     except Exception:  # at interpreter exit nothing can be reported any more
+        pass
+    try:
+        crash_log.cleanup()  # its temporary directory (a crash_dir given by the user is kept)
+    except Exception:
         pass
