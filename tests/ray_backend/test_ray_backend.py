@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from simstream import (
     OnlineDataEngine,
     OnlineDataEngineCfg,
     OnlineDataEngineState,
+    OnlineDataWorkerError,
 )
 from simstream.data import OnlineDataset
 from simstream.ray import RayBackend, RayProducerError
@@ -194,6 +196,80 @@ def test_hanging_call_fails_the_engine_after_its_timeout_and_stop_ends_the_actor
     with pytest.raises(RayProducerError, match=r"producer-1 on node .*call_timeout_s=2.0"):
         engine.start()
     stop_quietly(engine)  # the autouse fixture checks the hanging actor's resources came back
+
+
+def test_a_call_of_several_windows_may_take_the_timeout_of_each(cluster):
+    """call_timeout_s bounds one window: a call of 4 windows of 0.6 s each (2.4 s) is no hang at 1 s."""
+    backend = RayBackend(resources={"sim": 1}, call_timeout_s=1.0, windows_per_call=4, max_restarts=0)
+    spec = ScriptedSpec(num_envs=1, rollout_s=0.6)
+    with OnlineDataEngine(ray_cfg(spec, backend, num_workers=1)) as engine:
+        assert engine.get_stats()["successful_episodes"] == 4
+
+
+def test_every_window_of_a_call_keeps_its_own_frames(cluster):
+    """The actor's rows are rewritten by each window of a call: the windows before the last must leave as
+    copies (they once all carried the last window's frames when num_envs was 1)."""
+    backend = RayBackend(resources={"sim": 1}, windows_per_call=4)
+    with OnlineDataEngine(ray_cfg(ScriptedSpec(num_envs=1), backend, num_workers=1)) as engine:
+        first_frames = engine._shared.storage.rows_view()["obs"][:, 0, 0]
+        assert first_frames.tolist() == [1_000_000 * 0 + 10 * row for row in range(4)]  # the source's tags
+
+
+def test_a_call_whose_later_window_fails_publishes_the_windows_before_it(cluster):
+    """As a local producer would: window 1 of the call is published, window 2's exception fails the engine."""
+    backend = RayBackend(resources={"sim": 1}, windows_per_call=4, max_restarts=0)
+    spec = ScriptedSpec(num_envs=1, fault="raise", fault_after=1)
+    engine = OnlineDataEngine(ray_cfg(spec, backend, num_workers=1, lifecycle_event_capacity=8))
+    with pytest.raises(KeyError, match="scripted failure in rollout"):
+        engine.start()
+    assert engine._shared.progress.snapshot()["successful_episodes"] == 1
+    assert [(e["kind"], e["slot"]) for e in engine._shared.events.drain()] == [("published", 0)]
+    stop_quietly(engine)
+
+
+def test_a_source_sys_exit_fails_the_engine_with_its_message_and_is_not_restarted(cluster):
+    spec = ScriptedSpec(fault="sys_exit", fault_after=1, fault_worker=0)
+    engine = OnlineDataEngine(ray_cfg(spec))  # max_restarts=1: a lost actor would be restarted
+    try:
+        engine.start()
+        with pytest.raises(OnlineDataWorkerError) as raised:
+            engine.wait_for_generation(engine.request_refill(), timeout=60)
+        assert str(raised.value) == (
+            "Worker producer-0 raised SystemExit: the simulator gave up (it ended that process)"
+        )
+        assert engine._shared.progress.producer_rows()[0]["restarts"] == 0
+    finally:
+        stop_quietly(engine)
+
+
+def test_a_call_that_waits_for_room_in_the_lifecycle_log_is_not_a_hang(cluster):
+    """The ingest blocks on a full log until the owner drains it (back-pressure, as locally); calls that
+    finished meanwhile must not read as hung when it comes back."""
+    backend = RayBackend(
+        resources={"sim": 1}, call_timeout_s=1.0, calls_in_flight=1, max_restarts=0, publish_delay_s=0
+    )
+    spec = ScriptedSpec(rollout_s=0.2)
+    cfg = ray_cfg(spec, backend, buffer_size=8, lifecycle_event_capacity=16)  # a refill writes 16 records
+    with OnlineDataEngine(cfg) as engine:
+        generation = engine.request_refill()
+        wait_for(lambda: engine._shared.events.pending() == 16, "a full lifecycle log")
+        threading.Event().wait(2 * backend.call_timeout_s)  # the log stays full longer than a call may take
+        engine.check_health()
+        engine.drain_lifecycle_events()
+        engine.wait_for_generation(generation, timeout=60)
+        engine.drain_lifecycle_events()
+        engine.check_health()
+
+
+def test_stats_show_no_live_actor_while_a_lost_one_is_replaced(cluster):
+    backend = RayBackend(resources={"sim": 1}, restart_delay_s=3600.0, max_restarts=1)
+    with OnlineDataEngine(ray_cfg(backend=backend, num_workers=1, buffer_size=2)) as engine:
+        victim = engine.get_stats()["producers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        engine.request_refill()
+        wait_for(lambda: engine.get_stats()["producers"][0]["restarts"] == 1, "the loss to be seen")
+        producer = engine.get_stats()["producers"][0]
+        assert producer["pid"] == 0 and producer["node_id"] is None and not producer["alive"]
 
 
 def test_stop_returns_the_sim_resources(cluster):

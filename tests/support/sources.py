@@ -62,6 +62,8 @@ class ScriptedSpec:
     """``raise`` or ``hang`` in ``close()``."""
     extra_fields: Mapping[str, Field] = field(default_factory=dict)
     """More fields; every element of frame ``t`` holds ``t``."""
+    rollout_s: float = 0.0
+    """Seconds every rollout takes (a slow simulator)."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -109,6 +111,8 @@ class ScriptedSource:
             sys.exit("the simulator gave up")
 
     def rollout(self, rows, *, attempt: int, should_stop):
+        if self.spec.rollout_s:
+            threading.Event().wait(self.spec.rollout_s)
         self._fault(should_stop)
         spec = self.spec
         if spec.fault == "none" and self.worker == spec.fault_worker and self.rollouts >= spec.fault_after:

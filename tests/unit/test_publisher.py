@@ -373,19 +373,32 @@ def test_a_group_never_grows_past_publish_windows_across_calls(monkeypatch):
     assert _published_rows(engine) == list(range(8))
 
 
-def test_a_call_past_its_timeout_publishes_the_windows_held_then_fails_naming_the_producer():
+def test_a_call_past_its_timeout_publishes_the_windows_held_then_fails_naming_the_producer(monkeypatch):
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0, call_timeout_s=5.0)
     from simstream.ray import RayProducerError
 
+    finished = set()
+    monkeypatch.setattr(ingest.ray, "wait", lambda refs, timeout: ([r for r in refs if r in finished], []))
     producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
-    producer.calls.append(ingest._Call(object(), 1, 1, 1))
+    head = object()
+    producer.calls.append(ingest._Call(head, 1, 2, 1))  # a call of 2 windows: 10 s before it is a hang
     producer.head_since = time.monotonic() - 6.0
+    producers._check_timeout(producer, time.monotonic())
+    producer.head_since = time.monotonic() - 11.0
+    finished.add(head)
+    producers._check_timeout(producer, time.monotonic())  # finished, only not received: no hang
+    finished.clear()
     with pytest.raises(ingest.Closing):
         producers._check_timeout(producer, time.monotonic())
     assert _published_rows(engine) == [0, 1]
     error = engine._shared.channel.error()
     assert type(error) is RayProducerError
-    assert "producer-0" in str(error) and "call_timeout_s=5.0" in str(error) and "timed out" in str(error)
+    assert (
+        "producer-0" in str(error)
+        and "a call of 2 windows did not finish within 10 s (RayBackend.call_timeout_s=5.0 s per window)"
+        in str(error)
+        and "timed out" in str(error)
+    )
 
 
 def test_production_time_counts_from_the_generation_s_first_call_to_its_last_window():

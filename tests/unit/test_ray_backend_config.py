@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,7 +25,21 @@ _BAD_FIELDS = [
     ),
     pytest.param("resources", {"": 1}, r"RayBackend\.resources must be a mapping whose keys", id="res-empty"),
     pytest.param(
-        "resources", {"sim": 0}, r"RayBackend\.resources\['sim'\] must be a number in \(0, 1024\]", id="res-0"
+        "resources",
+        {"sim": 0},
+        r"RayBackend\.resources\['sim'\] must be a number in \[0.0001 \(Ray's",
+        id="res-0",
+    ),
+    pytest.param("resources", {"sim": 1e-5}, r"RayBackend\.resources\['sim'\] must be", id="res-precision"),
+    pytest.param("resources", {"TPU": 1}, r"not an accelerator: FURIOSA, GPU, HPU, MBLT", id="res-tpu"),
+    pytest.param(
+        "resources", {"GPU": 0.5}, r"RayBackend\.resources must be a mapping whose keys", id="res-gpu"
+    ),
+    pytest.param(
+        "num_cpus",
+        1e-5,
+        r"RayBackend\.num_cpus must be 0 or a number in \[0.0001 \(Ray's precision\)",
+        id="cpus-precision",
     ),
     pytest.param("resources", {"sim": True}, r"RayBackend\.resources\['sim'\] must be", id="res-bool"),
     pytest.param("resources", {"sim": math.inf}, r"RayBackend\.resources\['sim'\] must be", id="res-inf"),
@@ -113,11 +128,19 @@ def test_timeouts_accept_exactly_finite_positive_seconds_up_to_1e6(name, value):
             RayBackend(**{name: value})
 
 
+def test_numpy_amounts_are_accepted_and_reach_ray_as_floats():
+    backend = RayBackend(num_cpus=np.float32(0.5), resources={"sim": np.int64(2)})
+    assert backend.num_cpus == 0.5 and backend.resources["sim"] == 2
+    assert RayBackend(num_cpus=0).num_cpus == 0  # no CPU reserved: allowed
+
+
 @given(
     st.dictionaries(st.text(min_size=1, max_size=5), st.floats(min_value=0.001, max_value=1024), max_size=3)
 )
 def test_custom_resources_accept_positive_amounts(resources):
-    if any(name.strip() == "" or name in ("CPU", "GPU", "memory") for name in resources):
+    from simstream.ray.backend import _RESERVED_RESOURCES
+
+    if any(name.strip() == "" or name in _RESERVED_RESOURCES for name in resources):
         with pytest.raises(ValueError, match=r"RayBackend\.resources"):
             RayBackend(resources=resources)
     else:

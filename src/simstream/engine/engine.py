@@ -400,8 +400,9 @@ class OnlineDataEngine(EngineLifecycle):
         dead = {label for label, _ in supervisor.dead_workers()} if supervisor is not None else set()
         owner, closing = self._is_owner(), self._shared.close_flag.is_set()
         for row in rows:
-            if self.cfg.backend is not None:  # a Ray actor: its pid may be another machine's
-                running = self.state is State.READY and "ray-ingest" not in dead
+            if self.cfg.backend is not None:  # a Ray actor: its pid may be another machine's; 0 while
+                # a lost actor's replacement is placed and built
+                running = self.state is State.READY and "ray-ingest" not in dead and row["pid"] != 0
             else:
                 running = _pid_alive(row["pid"]) and f"producer-{row['index']}" not in dead
             row["alive"] = running and not closing and (owner or self.state is State.READY)

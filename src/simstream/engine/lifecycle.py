@@ -350,14 +350,15 @@ def _ray_ingest_spec(shared, cfg, num_envs: int) -> WorkerSpec:
     import ray
 
     # A spec class defined in the user's script travels to the actors by value (cloudpickle), pickled
-    # here where it is __main__'s; the cluster this process is connected to, if any, is the one to join.
+    # here where it is __main__'s; with address=None, the cluster this process is connected to, if any, is
+    # the one to join.
     spec_bytes = ray.cloudpickle.dumps(cfg.source)
     # Ray's own exit hook (registered on import) disconnects this process from a cluster it started; ours,
     # registered again now, runs first, so the ingest closes the sources before that cluster goes away
     atexit.unregister(_stop_engines_at_exit)
     atexit.register(_stop_engines_at_exit)
     address = cfg.backend.address
-    if ray.is_initialized():
+    if address is None and ray.is_initialized():  # an explicit address is the user's choice
         address = ray.get_runtime_context().gcs_address
     return WorkerSpec(
         label="ray-ingest",

@@ -25,7 +25,15 @@ from tensordict import TensorDict
 from ..engine.window import GeneratedWindow, generate_window
 from ..errors import OnlineDataWorkerError
 
-__all__ = ["ProducerActor", "WindowPayload", "numpy_view"]
+__all__ = ["ProducerActor", "WindowFailure", "WindowPayload", "numpy_view"]
+
+
+@dataclass(frozen=True)
+class WindowFailure:
+    """The last item of a call's result when a window after the first failed: the windows before it are
+    returned (the ingest publishes them, as a local producer would have), then the failure is raised."""
+
+    error: BaseException
 
 
 @dataclass(frozen=True)
@@ -85,36 +93,47 @@ class ProducerActor:
                 else:
                     self._nan_tensors.append(tensor)
         self._rows = TensorDict(tree, batch_size=[spec.num_envs, self._max_steps])
-        with _picklable_errors():
+        with _picklable_errors(self._worker_index):
             self._source = spec.build(self._worker_index, self._seed)
         gc.freeze()  # what Ray, torch and the source left behind is never scanned again (see ingest.py)
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def generate(self, number: int, count: int = 1) -> list[WindowPayload]:
+    def generate(self, number: int, count: int = 1) -> list[WindowPayload | WindowFailure]:
         """Roll out windows ``number .. number + count - 1`` of a generation, in order.
 
-        Returns fewer (down to none) only once :meth:`stop` or :meth:`close` ran.
+        Returns fewer (down to none) only once :meth:`stop` or :meth:`close` ran, or with a
+        :class:`WindowFailure` last when a window after the first failed. A failure of the first window
+        is raised.
         """
-        windows = []
+        windows: list[WindowPayload | WindowFailure] = []
         for offset in range(count):
             if self._stop.is_set() or self._source is None:
                 break
             self._reset()
-            with _picklable_errors():
-                window = generate_window(
-                    self._source,
-                    self._rows,
-                    number=number + offset,
-                    max_steps=self._max_steps,
-                    attempts=self._attempts,
-                    should_stop=self._stop.is_set,
-                    reset=self._reset,
-                )
+            try:
+                with _picklable_errors(self._worker_index):
+                    window = generate_window(
+                        self._source,
+                        self._rows,
+                        number=number + offset,
+                        max_steps=self._max_steps,
+                        attempts=self._attempts,
+                        should_stop=self._stop.is_set,
+                        reset=self._reset,
+                    )
+            except Exception as error:
+                if not windows:
+                    raise
+                windows.append(WindowFailure(error))
+                break
             if window is None:
                 break
             used = max((episode.length for episode in window.episodes), default=0)
-            # contiguous already (no copy) when num_envs == 1; Ray copies the result before the next call
-            frames = {name: np.ascontiguousarray(array[:, :used]) for name, array in self._arrays}
+            if offset == count - 1:  # a view when contiguous (num_envs == 1): Ray copies the result out
+                # before the next call resets the rows
+                frames = {name: np.ascontiguousarray(array[:, :used]) for name, array in self._arrays}
+            else:  # the next window of this call rewrites the rows before the result leaves
+                frames = {name: array[:, :used].copy() for name, array in self._arrays}
             windows.append(WindowPayload(window, frames))
         return windows
 
@@ -129,7 +148,7 @@ class ProducerActor:
         self._stop.set()
         source, self._source = self._source, None
         if source is not None:
-            with _picklable_errors():
+            with _picklable_errors(self._worker_index):
                 source.close()
 
     def _reset(self) -> None:
@@ -155,12 +174,21 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _picklable_errors():
+def _picklable_errors(worker_index: int):
     """Re-raise an exception that cannot be pickled as an ``OnlineDataWorkerError`` with its type, message
     and traceback: Ray must pickle what an actor raises, and an exception holding e.g. a ctypes pointer
-    would otherwise kill the actor process (and read as a lost actor instead of the source's error)."""
+    would otherwise kill the actor process (and read as a lost actor instead of the source's error).
+
+    A ``SystemExit`` (a source's ``sys.exit()``) or ``KeyboardInterrupt`` would end the actor process and
+    read as a lost actor, restarted; it fails the engine as a local producer's does, with its message.
+    """
     try:
         yield
+    except (SystemExit, KeyboardInterrupt) as error:
+        kind = type(error).__qualname__
+        raise OnlineDataWorkerError(
+            f"Worker producer-{worker_index} raised {kind}: {error} (it ended that process)"
+        ) from None
     except Exception as error:
         try:
             pickle.loads(pickle.dumps(error))

@@ -17,7 +17,14 @@ MAX_WINDOWS_PER_CALL = 1024
 MAX_PUBLISH_DELAY_S = 10.0
 MAX_ACTOR_CPUS = 1024
 MAX_WAIT_S = 1e6
+RESOURCE_UNIT = 1e-4
+"""Ray's resource precision: a fractional amount below it is refused by Ray (``num_cpus`` may be 0)."""
 _OWNER = "RayBackend"
+_RESERVED_RESOURCES = frozenset(
+    {"CPU", "memory", "GPU", "TPU", "NPU", "HPU", "neuron_cores", "RBLN", "MBLT", "FURIOSA", "TTNPU"}
+)
+"""Names Ray gives rules of its own (CPU and memory: ``num_cpus``; accelerators, as of Ray 2.60: whole or
+fractional amounts per device kind); ``resources`` holds custom resources only."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,10 @@ class RayBackend:
     num_cpus: float = 1.0
     """CPUs each actor reserves from the cluster, in ``[0, 1024]`` (one simulation core by default)."""
     call_timeout_s: float = 300.0
-    """Seconds one window may take on its actor (from the moment it is next in line), in ``(0, 1e6]``;
-    past it the engine fails (a hang)."""
+    """Seconds one window may take on its actor (from the moment its call is next in line; a call of
+    ``windows_per_call`` windows may take that many times as long), in ``(0, 1e6]``; past it the engine
+    fails (a hang). A call that finished but waits for the ingest (held up by back-pressure: a full
+    lifecycle log, a recorder) never counts as a hang."""
     start_timeout_s: float = 600.0
     """Seconds an actor may take to be placed on a node, start and build its source, in ``(0, 1e6]``
     (a replacement waits here while its node is gone); past it the engine fails."""
@@ -105,24 +114,32 @@ class RayBackend:
         )
         for name, amount in resources.items():
             require(
-                isinstance(name, str) and name.strip() != "" and name not in ("CPU", "GPU", "memory"),
+                isinstance(name, str) and name.strip() != "" and name not in _RESERVED_RESOURCES,
                 _OWNER,
                 "resources",
-                "a mapping whose keys are custom resource names (not CPU, GPU or memory: see num_cpus)",
+                "a mapping whose keys are custom resource names (not CPU or memory: see num_cpus; not an "
+                f"accelerator: {', '.join(sorted(_RESERVED_RESOURCES - {'CPU', 'memory'}))})",
                 resources,
             )
             require(
                 isinstance(amount, Real)
                 and not isinstance(amount, bool)
                 and math.isfinite(amount)
-                and 0 < amount <= MAX_ACTOR_CPUS,
+                and RESOURCE_UNIT <= amount <= MAX_ACTOR_CPUS,
                 _OWNER,
                 f"resources[{name!r}]",
-                f"a number in (0, {MAX_ACTOR_CPUS}]",
+                f"a number in [{RESOURCE_UNIT:g} (Ray's precision), {MAX_ACTOR_CPUS}]",
                 amount,
             )
         require_int(_OWNER, "max_restarts", self.max_restarts, 0, MAX_RESTARTS)
         require_number(_OWNER, "num_cpus", self.num_cpus, 0, MAX_ACTOR_CPUS)
+        require(
+            self.num_cpus == 0 or self.num_cpus >= RESOURCE_UNIT,
+            _OWNER,
+            "num_cpus",
+            f"0 or a number in [{RESOURCE_UNIT:g} (Ray's precision), {MAX_ACTOR_CPUS}]",
+            self.num_cpus,
+        )
         require_number(_OWNER, "call_timeout_s", self.call_timeout_s, 0, MAX_WAIT_S, low_open=True)
         require_number(_OWNER, "start_timeout_s", self.start_timeout_s, 0, MAX_WAIT_S, low_open=True)
         require_int(_OWNER, "calls_in_flight", self.calls_in_flight, 1, MAX_CALLS_IN_FLIGHT)

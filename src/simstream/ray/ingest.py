@@ -50,7 +50,7 @@ from ..engine.shared import EngineShared
 from ..engine.window import derive_worker_seed, window_starts
 from ..errors import OnlineDataWorkerError
 from ..workers.supervisor import ShutdownReport, owner_watch
-from .actor import ProducerActor, WindowPayload, numpy_view
+from .actor import ProducerActor, WindowFailure, WindowPayload, numpy_view
 from .backend import RayBackend, RayProducerError
 
 __all__ = ["RayProducers", "run_ingest"]
@@ -212,8 +212,8 @@ class RayProducers:
     def _start_actor(self, producer: _Producer) -> None:
         backend, cfg = self._backend, self._cfg
         options = {
-            "num_cpus": backend.num_cpus,
-            "resources": dict(backend.resources),
+            "num_cpus": float(backend.num_cpus),  # Ray takes int or float only (not NumPy numbers)
+            "resources": {name: float(amount) for name, amount in backend.resources.items()},
             "max_restarts": 0,  # restarts are ours: a fresh source with a new seed, and a budget we count
             "max_concurrency": 1,
             "name": None,
@@ -243,7 +243,8 @@ class RayProducers:
     def _close_actors(self, deadline: float, report: ShutdownReport) -> None:
         refs = {}
         for producer in self._producers:
-            if producer.actor is not None and producer.build_ref is None:
+            built = producer.build_ref is None or bool(ray.wait([producer.build_ref], timeout=0)[0])
+            if producer.actor is not None and built:  # built, whether or not its result was received
                 # stop ends the rollout in progress; close follows the calls in flight (each now returns
                 # at once) and closes the source in the thread that built it
                 producer.actor.stop.options(concurrency_group="control").remote()
@@ -351,6 +352,12 @@ class RayProducers:
             return
         call = producer.calls.popleft()
         producer.head_since = now
+        if value and isinstance(value[-1], WindowFailure):
+            # windows before the failing one arrived whole: visible first, as a local producer's
+            self._hold(producer, call, value[:-1], now)
+            self._publish_held(producer)
+            self._shared.channel.publish(value[-1].error, producer.label)
+            raise Closing
         self._hold(producer, call, value, now)
 
     def _hold(self, producer: _Producer, call: _Call, payloads: list[WindowPayload], now: float) -> None:
@@ -443,6 +450,9 @@ class RayProducers:
         first = producer.calls[0] if producer.calls else None
         node = producer.node_id
         self._kill(producer)
+        progress = self._shared.progress
+        progress.set_worker_pid(producer.index, 0)  # no actor until the replacement is built
+        progress.set_worker_node(producer.index, None)
         if producer.restarts >= self._backend.max_restarts:
             self._fail(producer, node, f"its actor was lost ({_describe(error)})", "restarts exhausted")
         producer.restarts += 1
@@ -464,24 +474,31 @@ class RayProducers:
             return
         backend = self._backend
         if producer.build_ref is not None:
-            what, field, limit = (
-                "starting its actor and building its source",
-                "start_timeout_s",
-                backend.start_timeout_s,
+            limit = backend.start_timeout_s
+            what = (
+                "starting its actor and building its source did not finish within "
+                f"RayBackend.start_timeout_s={limit} s"
             )
-        else:
-            what, field, limit = "a window call", "call_timeout_s", backend.call_timeout_s
+        else:  # a call of k windows may take k times the limit of one
+            count = producer.calls[0].count
+            limit = backend.call_timeout_s * count
+            what = (
+                f"a window call did not finish within RayBackend.call_timeout_s={backend.call_timeout_s} s"
+                if count == 1
+                else f"a call of {count} windows did not finish within {limit:g} s "
+                f"(RayBackend.call_timeout_s={backend.call_timeout_s} s per window)"
+            )
         if now - producer.head_since <= limit:
+            return
+        head = producer.build_ref or producer.calls[0].ref
+        if ray.wait([head], timeout=0)[0]:
+            # finished, only not received yet: the ingest itself was held up (e.g. waiting for room in the
+            # lifecycle log, or for the recorder), which is back-pressure, not a hang of the actor
             return
         node = producer.node_id
         self._publish_held(producer)  # arrived whole before the hang: visible, as a local producer's
         self._kill(producer)
-        self._fail(
-            producer,
-            node,
-            f"{what} did not finish within RayBackend.{field}={limit} s (GetTimeoutError)",
-            "timed out",
-        )
+        self._fail(producer, node, f"{what} (GetTimeoutError)", "timed out")
 
     def _fail(self, producer: _Producer, node: str | None, what: str, outcome: str) -> None:
         backend = self._backend
