@@ -215,18 +215,22 @@ finally:
 """
 
 
-def test_a_script_without_a_main_guard_is_told_why_its_collector_died(tmp_path):
+def _run_script(path, text: str):
+    """Run ``text`` as a script of its own (from the repository root, which it imports) and wait for it."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = tmp_path / "unguarded.py"
-    script.write_text(_UNGUARDED_SCRIPT)
+    path.write_text(text)
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120,
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, cwd=root, timeout=120,
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_collector_died(tmp_path):
+    done = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT)
     report = done.stdout.split("REPORT:", 1)[-1]
     assert "REPORT:" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Collector process exited with code 1" in report
@@ -369,17 +373,7 @@ if __name__ == "__main__":
 
 
 def test_a_script_that_crashes_without_close_leaves_no_crash_log_directory(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "crashing.py"
-    script.write_text(_CRASHING_SCRIPT)
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )  # fmt: skip
+    done = _run_script(tmp_path / "crashing.py", _CRASHING_SCRIPT)
     assert done.returncode == 1 and "the script crashes without close()" in done.stderr
     directory = done.stdout.split()[0]
     assert "simstream-rl-" in directory and not os.path.exists(directory)
