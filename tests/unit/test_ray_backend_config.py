@@ -190,3 +190,21 @@ def test_importing_simstream_and_its_data_api_never_imports_ray():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "joined"), [(None, "10.0.0.1:6379"), ("127.0.0.1:7777", "127.0.0.1:7777")]
+)
+def test_the_ingest_joins_the_scripts_cluster_only_when_no_address_is_given(monkeypatch, address, joined):
+    """A script already connected to Ray (faked here: no cluster in unit tests) lends its cluster to
+    ``address=None``; an explicit address is the user's choice and is kept."""
+    ray = pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from simstream.engine.lifecycle import _ray_ingest_spec
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.1:6379"))
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, backend=RayBackend(address=address))
+    spec = _ray_ingest_spec(None, cfg, 2)
+    assert spec.label == "ray-ingest" and spec.args[-1] == joined
