@@ -318,6 +318,30 @@ def test_loader_argument_errors():
         loader_context("threads")
 
 
+def test_chunk_sizes_the_engine_cannot_serve_are_refused_when_the_dataset_is_made():
+    from simstream.data import GMMChunkSampler, UniformChunkSampler
+
+    with OnlineDataEngine(make_cfg(ScriptedSpec(max_episode_steps=20), refill_policy="manual")) as engine:
+        with pytest.raises(ValueError, match=r"chunk_size must be in \[1, max_episode_steps = 20\], got 30"):
+            OnlineDataset(engine, chunk_size=30, batch_size=4)
+        with pytest.raises(
+            ValueError, match=r"UniformChunkSampler\(low=5, high=30\) can draw up to 30; a chunk"
+        ):
+            OnlineDataset(engine, chunk_size=UniformChunkSampler(5, 30), batch_size=4)
+        with pytest.raises(
+            ValueError, match=r"GMMChunkSampler\(.*\) can draw any size; .* give it high <= 20"
+        ):
+            OnlineDataset(engine, chunk_size=GMMChunkSampler([8], [3]), batch_size=4)
+        with pytest.raises(ValueError, match=r"sampling_mode='boundary' needs chunk_size >= 2, got 1"):
+            OnlineDataset(engine, chunk_size=1, batch_size=4, sampling_mode="boundary")
+        with pytest.raises(ValueError, match=r"boundary.*UniformChunkSampler\(low=1, high=4\) can be 1"):
+            OnlineDataset(
+                engine, chunk_size=UniformChunkSampler(1, 4), batch_size=4, sampling_mode="boundary"
+            )
+        OnlineDataset(engine, chunk_size=GMMChunkSampler([8], [3], high=20), batch_size=4)  # bounded: fine
+        OnlineDataset(engine, chunk_size=20, batch_size=4)
+
+
 # torch warns that 3 workers exceed 2 CPUs; this test never starts them
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @given(st.integers(min_value=-3, max_value=3))

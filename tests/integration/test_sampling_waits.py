@@ -78,7 +78,11 @@ def test_nothing_eligible_and_nothing_being_written_raises_at_once():
     with OnlineDataEngine(cfg) as engine:
         with pytest.raises(DataUnavailableError, match="satisfies sampling_mode='boundary' and chunk_size=2"):
             engine.sample_batch(1, 2, "boundary")  # one segment per episode: no boundary
-        with pytest.raises(DataUnavailableError, match="satisfies sampling_mode='episode' and chunk_size=1"):
+        with pytest.raises(
+            DataUnavailableError,
+            match=r"satisfies sampling_mode='episode' and chunk_size=1 \(the anchor frame of a context of "
+            r"history_length=2 and prediction_horizon=2, among episodes of generations \[5\]\)",
+        ):
             engine.sample_batch_with_context(4, 2, 2, generations=(5,))  # never requested
         engine.check_health()
 

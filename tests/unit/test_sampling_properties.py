@@ -307,7 +307,14 @@ def test_keys_select_nested_fields_by_name_tuple_or_group():
             r"no stored key 'camera'; the buffer holds 'obs', 'actions'",
             id="unknown",
         ),
-        pytest.param(("obs", "state"), KeyError, r"no stored key 'state'", id="nested-key-as-collection"),
+        pytest.param(
+            ("obs", "state"),
+            ValueError,
+            r"keys=\('obs', 'state'\) is ambiguous: pass \[\('obs', 'state'\)\] for the nested key "
+            r"'obs/state', "
+            r"or \['obs', 'state'\] for 2 keys",
+            id="bare-tuple-of-strings",
+        ),
         pytest.param(["obs/x"], KeyError, r"no stored key 'obs/x'.*'valid'", id="unknown-field-name"),
         pytest.param("loss_mask", KeyError, r"no stored key 'loss_mask'", id="loss-mask-of-chunks"),
         pytest.param([3], ValueError, r"keys: 3 is not a key; a key is a nonempty str", id="int"),
@@ -324,6 +331,22 @@ def test_bad_keys_are_refused_before_anything_is_copied(keys, error, message):
     with pytest.raises(error, match=message):
         harness.sampler.sample_chunks(2, 4, "episode", None, out=out, keys=keys)
     assert not any(bool(leaf.any()) for leaf in out.values(include_nested=True, leaves_only=True))
+
+
+def test_out_on_another_device_is_refused_before_anything_is_written():
+    """A batch moved to a device (``batch.to("cuda")``) is no ``out`` for a CPU buffer; ``meta`` stands in
+    for a GPU here."""
+    harness = Harness(rows=1, steps=STEPS)
+    harness.publish(0, Episode(length=8))
+    out = harness.sampler.sample_chunks(2, 4, "episode", None)
+    moved = out.apply(lambda leaf: leaf.to("meta") if leaf.dtype is torch.float32 else leaf.zero_())
+    with pytest.raises(
+        ValueError,
+        match=r"out\['obs'\] must be a contiguous torch.float32 tensor of shape "
+        r"\(2, 4, 2\) on the CPU \(where the buffer is\), got torch.float32 \(2, 4, 2\) on meta",
+    ):
+        harness.sampler.sample_chunks(2, 4, "episode", None, out=moved)
+    assert not bool(moved["valid"].any())  # nothing was written
 
 
 def test_out_with_keys_checks_and_writes_only_the_named_keys():

@@ -92,6 +92,9 @@ class OnlineDataset(IterableDataset):
             raise ValueError(f"item_block must be an int >= 1, got {item_block!r}.")
         if type(worker_slots) is not int or not 0 <= worker_slots <= 64:
             raise ValueError(f"worker_slots must be an int in [0, 64], got {worker_slots!r}.")
+        steps = getattr(engine, "max_episode_steps", None)
+        if steps is not None:
+            _check_chunk_sizes(chunk_size, sampling_mode, steps)
         self.engine = engine
         self.chunk_size = chunk_size
         self.batch_size = batch_size
@@ -221,6 +224,35 @@ def _selected_paths(buffer: TensorDict, keys: object) -> list[tuple[str, ...]]:
     """The stored paths ``keys`` selects in ``buffer`` (plus ``valid``); raises as ``select_keys`` does."""
     paths = tuple(k if type(k) is tuple else (k,) for k in buffer.keys(include_nested=True, leaves_only=True))
     return [paths[i] for i in select_keys(paths, keys)]
+
+
+def _check_chunk_sizes(chunk_size: int | ChunkSizeSampler, sampling_mode: str, steps: int) -> None:
+    """Refuse chunk sizes the engine can never serve now, not at a random later batch in a worker.
+
+    A sampler is checked by its ``low``/``high`` bounds when it has them (the built-in ones do; a custom
+    sampler without them is trusted).
+    """
+    if isinstance(chunk_size, int):
+        low, high, what = chunk_size, chunk_size, f"chunk_size ({chunk_size})"
+    else:
+        if not (hasattr(chunk_size, "low") and hasattr(chunk_size, "high")):
+            return
+        low, high, what = chunk_size.low, chunk_size.high, f"chunk_size {chunk_size!r}"
+    if high is None or high > steps:
+        bound = "can draw any size" if high is None else f"can draw up to {high}"
+        raise ValueError(
+            f"{what} {bound}; a chunk holds at most max_episode_steps = {steps} frames: give it "
+            f"high <= {steps}."
+            if not isinstance(chunk_size, int)
+            else f"chunk_size must be in [1, max_episode_steps = {steps}], got {chunk_size}."
+        )
+    if sampling_mode == "boundary" and (low is None or low < 2):
+        raise ValueError(
+            f"sampling_mode='boundary' needs chunks of at least 2 frames (one each side of a segment "
+            f"boundary); {what} can be {low or 1}: give it low >= 2."
+            if not isinstance(chunk_size, int)
+            else f"sampling_mode='boundary' needs chunk_size >= 2, got {chunk_size}."
+        )
 
 
 class _OnlineDataLoader(DataLoader):

@@ -177,9 +177,10 @@ class OnlineDataEngine(EngineLifecycle):
                 before anything is written; extra keys are left alone.
             keys: Copy only these keys, plus ``valid`` (``None``: every key). A key is a TensorDict key
                 (``"actions"``, ``("obs", "state")``; a group such as ``"obs"`` selects every key under
-                it) or a field name (``"obs/state"``); pass one key or a list of keys. The gather reads
-                nothing else, so one camera of three costs one camera's bytes. The batch holds the keys
-                in the buffer's order.
+                it) or a field name (``"obs/state"``); pass one key or a list of keys (a nested key
+                alone as a list, ``[("obs", "state")]``: a bare tuple of strings is refused as
+                ambiguous). The gather reads nothing else, so one camera of three costs one camera's
+                bytes. The batch holds the keys in the buffer's order.
 
         Returns:
             A TensorDict ``[batch_size, chunk_size]`` with the copied keys, owning its memory.

@@ -280,10 +280,16 @@ class BatchGatherer:
                 raise KeyError(
                     f"out has no tensor at {'/'.join(path)!r}; pass a batch from sample_batch as out."
                 )
-            if target.dtype is not dtype or target.shape != (n, length, *frame) or not target.is_contiguous():
+            if (
+                target.dtype is not dtype
+                or target.shape != (n, length, *frame)
+                or not target.is_contiguous()
+                or target.device.type != "cpu"
+            ):
                 raise ValueError(
                     f"out[{'/'.join(path)!r}] must be a contiguous {dtype} tensor of shape "
-                    f"{(n, length, *frame)}, got {target.dtype} {tuple(target.shape)}"
+                    f"{(n, length, *frame)} on the CPU (where the buffer is), got {target.dtype} "
+                    f"{tuple(target.shape)} on {target.device}"
                     f"{'' if target.is_contiguous() else ' (not contiguous)'}."
                 )
             targets.append((None, target))

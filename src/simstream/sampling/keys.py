@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["select_keys"]
+__all__ = ["refuse_ambiguous_keys", "select_keys"]
 
 
 def select_keys(
@@ -19,21 +19,23 @@ def select_keys(
 
     Args:
         paths: Every stored key as a path (``("obs", "state")``).
-        keys: ``None`` (every key), one key, or a list or tuple of keys. A key is a string (``"actions"``;
-            a ``/`` nests: ``"obs/state"``) or a tuple of strings (``("obs", "state")``); a key naming a
-            group (``"obs"``) selects every stored key under it. Inside a tuple of keys, a nested key is
-            itself a tuple: ``keys=[("obs", "state")]``.
+        keys: ``None`` (every key), one key, or a list of keys. A key is a string (``"actions"``; a ``/``
+            nests: ``"obs/state"``) or a tuple of strings (``("obs", "state")``); a key naming a group
+            (``"obs"``) selects every stored key under it. A nested key given alone is wrapped in a list,
+            ``keys=[("obs", "state")]``: a bare tuple of two or more strings could mean one nested key (as
+            in TensorDict) or several keys, and is refused.
         always: Keys added to every selection (``valid``).
 
     Returns:
         Sorted positions, or ``None`` when ``keys`` is ``None``.
 
     Raises:
-        ValueError: ``keys`` or one of its entries is not a key.
+        ValueError: ``keys`` or one of its entries is not a key, or ``keys`` is a bare tuple of strings.
         KeyError: a key names no stored key (the message names it and lists the stored keys).
     """
     if keys is None:
         return None
+    refuse_ambiguous_keys(keys)
     entries = [keys] if isinstance(keys, str) else keys
     if not isinstance(entries, (list, tuple)):
         raise ValueError(
@@ -48,6 +50,15 @@ def select_keys(
             raise KeyError(f"keys: no stored key {key!r}; the buffer holds {known}.")
         selected.update(matches)
     return tuple(sorted(selected))
+
+
+def refuse_ambiguous_keys(keys: object) -> None:
+    """Raise ``ValueError`` for a bare tuple of two or more strings: one nested key, or several keys?"""
+    if isinstance(keys, tuple) and len(keys) > 1 and all(isinstance(key, str) for key in keys):
+        raise ValueError(
+            f"keys={keys!r} is ambiguous: pass [{keys!r}] for the nested key {'/'.join(keys)!r}, or "
+            f"{list(keys)!r} for {len(keys)} keys."
+        )
 
 
 def _path(key: object) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
 from .gather import BatchGatherer, ChunkFrames
-from .keys import select_keys
+from .keys import refuse_ambiguous_keys, select_keys
 from .windows import IndexTables, WindowSelection, candidate_rows, draw_rows, draw_starts
 
 __all__ = ["WindowSampler"]
@@ -165,8 +165,11 @@ class WindowSampler:
             inside = (times >= selection.run_lo[:, None]) & (times < selection.run_hi[:, None])
             return torch.from_numpy(np.where(inside, selection.rows[:, None] * steps + times, pad))
 
-        unavailable = (
-            f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1."
+        among = "" if wanted is None else f", among episodes of generations {sorted(set(wanted.tolist()))}"
+        unavailable = (  # the reference's wording first (callers match it), then what was asked
+            f"[OnlineDataEngine] No unlocked valid chunk satisfies sampling_mode={mode!r} and chunk_size=1 "
+            f"(the anchor frame of a context of history_length={history_length} and "
+            f"prediction_horizon={prediction_horizon}{among})."
         )
         request = _Request(batch_size, 1, mode, generator, wanted, frames, unavailable, columns)
         batch = self._sample(request, None, check_failed, check_ready, wait_s)
@@ -184,6 +187,7 @@ class WindowSampler:
         except TypeError:  # an unhashable entry, which select_keys reports
             cache_key, columns = None, None
         if columns is None:
+            refuse_ambiguous_keys(keys)
             entries = [keys] if isinstance(keys, str) else keys
             if derived and isinstance(entries, (list, tuple)):
                 entries = [key for key in entries if not (isinstance(key, str) and key in derived)]
