@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._validation import require_int
+from ._validation import require_int, require_number
 from .sources import Episode, Field, Segment
 
 __all__ = ["SyntheticSpec"]
@@ -51,6 +51,10 @@ class SyntheticSpec:
                 f"got {self.min_length}"
             )
         require_int("SyntheticSpec", "num_segments", self.num_segments, 1, self.min_length)
+        if self.image_size is not None:
+            require_int("SyntheticSpec", "image_size", self.image_size, 1, 4096)
+        # a bound, not inf: the burn loop between frames does not poll should_stop
+        require_number("SyntheticSpec", "work_us_per_step", self.work_us_per_step, 0, 1e6)
 
     def fields(self) -> Mapping[str, Field]:
         fields = {

@@ -307,6 +307,34 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
         load_checkpoint(tmp_path / "other.pt")
 
 
+def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path):
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    checkpoint = PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", RolloutConfig())
+    path = save_checkpoint(tmp_path / "c.pt", checkpoint)
+    good = torch.load(path, weights_only=True)
+    for damage, message in [
+        (lambda p: p.pop("rollout"), "is not a whole simstream policy checkpoint: it has no ['rollout']"),
+        (lambda p: p["state_dict"].pop("select.weight"), ": its weights do not fit its policy_config: "),
+        (
+            lambda p: p["text_embedding"].update(dim=16),
+            ": the text embedding has dim 16, the policy reads text_dim 8",
+        ),
+    ]:
+        payload = torch.load(path, weights_only=True)
+        damage(payload)
+        torch.save(payload, tmp_path / "bad.pt")
+        with pytest.raises(
+            ValueError, match=re.escape(repr(str(tmp_path / "bad.pt"))) + ".*" + re.escape(message)
+        ):
+            load_checkpoint(tmp_path / "bad.pt")
+    torch.save(good, path)
+    load_checkpoint(path)
+    wrong = PolicyCheckpoint(policy, HashedTextEmbedding(16), "pick_place", RolloutConfig())
+    with pytest.raises(ValueError, match="the text embedding has dim 16, the policy reads text_dim 8"):
+        save_checkpoint(tmp_path / "w.pt", wrong)
+    assert not (tmp_path / "w.pt").exists()
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

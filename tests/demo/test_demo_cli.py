@@ -92,6 +92,8 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
         (["--steps", "0"], "DemoConfig.steps must be an int >= 1, got 0"),
         (["--seed", str(2**63)], f"DemoConfig.seed must be an int in [0, {2**63 - 1}], got {2**63}"),
         (["--max-episode-steps", "50"], "DemoConfig.max_episode_steps must be an int >= 100, got 50"),
+        (["--horizon", "500"], "DemoConfig.horizon must be an int in [1, 200], got 500"),
+        (["--history", "201"], "DemoConfig.history must be an int in [1, 200], got 201"),
         (
             ["--ray-address", "auto"],
             "DemoConfig.ray_address must be None unless backend is 'ray', got 'auto'",
@@ -129,6 +131,8 @@ def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, 
     ("options", "message"),
     [
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
+        (["--seconds", "nan"], "StreamArgs.seconds must be a number in (0, 1e6], got nan"),
+        (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),
         (["--task", "nosuch"], "nosuch"),
         (
             ["--ray-address", "auto"],
@@ -139,7 +143,7 @@ def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, 
 def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):
     assert simstream(["stream", "--seconds", "1", *options]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in _one_line(err) and "Traceback" not in err
 
 
 def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys):
@@ -227,3 +231,81 @@ def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
     assert code == 130, text[-2000:]
     wait_for_exit(children, 15, "processes left running after Ctrl-C")
     assert "interrupted" in text
+
+
+def _tiny_demo(runs: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "demo", "--quick", "--steps", "4", "--eval-episodes", "1", "--eval-episodes-during", "0",
+        "--buffer-size", "2", "--num-workers", "1", "--runs-dir", str(runs), "--name", name, *extra,
+    ]  # fmt: skip
+
+
+def test_the_trained_policy_is_saved_before_the_final_evaluation(tmp_path, monkeypatch):
+    """The final evaluation takes minutes with cameras: interrupting it must not lose the training."""
+    import tqdm
+
+    import simstream.bc.demo as demo
+    from simstream.bc import load_checkpoint
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
+
+    def interrupted(checkpoint, episodes):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_final_eval", interrupted)
+    assert simstream(_tiny_demo(tmp_path, "cut")) == 130
+    checkpoint = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert checkpoint.info == {"steps": 4, "success_rate": None, "run": "cut"}
+
+
+def test_a_producer_failure_still_closes_the_recorder(tmp_path, monkeypatch):
+    """engine.stop() raises the producer's failure; the recorder is closed anyway (threads ended, every
+    episode published before the stop flushed)."""
+    import tqdm
+
+    from simstream import OnlineDataEngine
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
+    stop = OnlineDataEngine.stop
+
+    def failing_stop(self, *args, **kwargs):
+        stop(self, *args, **kwargs)
+        raise RuntimeError("a producer failed")
+
+    monkeypatch.setattr(OnlineDataEngine, "stop", failing_stop)
+    before = set(threading.enumerate())
+    assert simstream(_tiny_demo(tmp_path, "rec", "--record", str(tmp_path / "ds"))) == 1
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("lerobot")]
+    assert len(read_dataset_meta(tmp_path / "ds").episodes) >= 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "--out", "strip"], "InspectArgs.out must be a .png or .jpg file, got 'strip'"),
+    ],
+)
+def test_inspect_rejects_a_bad_option_with_exit_code_2(args, message, capsys):
+    assert simstream(args) == 2
+    assert message in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"image_size": 0}, "SyntheticSpec.image_size must be an int in [1, 4096], got 0"),
+        ({"image_size": True}, "SyntheticSpec.image_size must be an int in [1, 4096], got True"),
+        (
+            {"work_us_per_step": float("inf")},
+            "SyntheticSpec.work_us_per_step must be a number in [0, 1e6], got inf",
+        ),
+        ({"work_us_per_step": -1}, "SyntheticSpec.work_us_per_step must be a number in [0, 1e6], got -1"),
+    ],
+)
+def test_synthetic_spec_names_a_bad_setting(kwargs, message):
+    from simstream.synthetic import SyntheticSpec
+
+    with pytest.raises(ValueError) as raised:
+        SyntheticSpec(**kwargs)
+    assert str(raised.value) == message

@@ -35,6 +35,7 @@ class PolicyCheckpoint:
 def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
     """Write ``checkpoint`` to ``path`` (parent folders are created); returns the path."""
     path = Path(path)
+    _check_embedding(path, checkpoint.embedding, checkpoint.policy.config.text_dim)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
@@ -70,17 +71,37 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
     configs = {"vision": VisionPolicyConfig, "state": PolicyConfig}
     if kind not in configs:
         raise ValueError(f"{str(path)!r}: unknown policy_kind {kind!r} (expected 'state' or 'vision')")
+    missing = [key for key in _PAYLOAD_KEYS if key not in payload]
+    if missing:
+        raise ValueError(f"{str(path)!r} is not a whole simstream policy checkpoint: it has no {missing}")
     config = _config(path, "policy_config", configs[kind], payload["policy_config"])
     policy: ChunkPolicy | VisionPolicy = VisionPolicy(config) if kind == "vision" else ChunkPolicy(config)
-    policy.load_state_dict(payload["state_dict"])
+    try:
+        policy.load_state_dict(payload["state_dict"])
+    except RuntimeError as error:  # missing, unexpected or misshapen weights
+        raise ValueError(f"{str(path)!r}: its weights do not fit its policy_config: {error}") from error
     policy.eval()
+    embedding = HashedTextEmbedding.from_state_dict(payload["text_embedding"])
+    _check_embedding(path, embedding, config.text_dim)
     return PolicyCheckpoint(
         policy=policy,
-        embedding=HashedTextEmbedding.from_state_dict(payload["text_embedding"]),
+        embedding=embedding,
         task=payload["task"],
         rollout=_config(path, "rollout", RolloutConfig, payload["rollout"]),
         info=payload.get("info", {}),
     )
+
+
+_PAYLOAD_KEYS = ("policy_config", "state_dict", "text_embedding", "task", "rollout")
+"""What every checkpoint holds besides ``format`` (``policy_kind`` and ``info`` came later, defaulted)."""
+
+
+def _check_embedding(path: Path, embedding: HashedTextEmbedding, text_dim: int) -> None:
+    if embedding.dim != text_dim:
+        raise ValueError(
+            f"{str(path)!r}: the text embedding has dim {embedding.dim}, the policy reads text_dim "
+            f"{text_dim}; a policy and its embedding must agree"
+        )
 
 
 def _config(path: Path, key: str, cls: type, fields: dict[str, Any]) -> Any:

@@ -155,6 +155,8 @@ class DemoConfig:
             require_int("DemoConfig", name, getattr(self, name), 1)
         # the scripted experts take up to ~80 steps (150 seeds per task); shorter rows cannot hold a success
         require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
+        for name in ("history", "horizon"):  # a context spans history + horizon - 1 frames of one row
+            require_int("DemoConfig", name, getattr(self, name), 1, self.max_episode_steps)
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
         require_int("DemoConfig", "idle_threads", self.idle_threads, 0, 256)

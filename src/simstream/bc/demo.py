@@ -181,19 +181,24 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 engine, policy, embedding, cfg, deadline=began + cfg.time_limit_s, writer=writer
             )
         finally:
-            engine.stop()
-            if recorder is not None:
-                recorder.close()  # flushes every episode published before the stop
+            try:
+                engine.stop()  # raises a producer's failure, after stopping
+            finally:
+                if recorder is not None:
+                    recorder.close()  # flushes every episode published before the stop
         # after the stop: a producer may publish between the last step and stop(), and --record keeps it
         stats = engine.get_stats()
+        checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
+        checkpoint.info = {"steps": log.steps_done, "success_rate": None, "run": name}
+        # saved before the final evaluation (minutes with cameras): interrupting it keeps the training
+        checkpoint_path = save_checkpoint(run_dir / "checkpoint.pt", checkpoint)
         # the source alone, now that nothing else runs: the reference for the stream's episodes/s
         bare = measure_bare_rate(source) if isinstance(source, CameraSourceSpec) else None
-        checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)
         result, eval_s = _final_eval(checkpoint, cfg.eval_episodes)
         writer.add_scalar("eval/final_success_rate", result.success_rate, log.steps_done)
     finally:
         writer.close()
-    checkpoint.info = {"steps": log.steps_done, "success_rate": result.success_rate, "run": name}
+    checkpoint.info["success_rate"] = result.success_rate
     checkpoint_path = save_checkpoint(run_dir / "checkpoint.pt", checkpoint)
     summary = _summary(cfg, name, run_dir, result, log, stats)
     if bare is not None:

@@ -49,6 +49,9 @@ class InspectArgs:
         get_task(self.task)
         if self.camera not in CAMERAS:
             raise ValueError(f"InspectArgs.camera must be one of {CAMERAS}, got {self.camera!r}")
+        if self.out is not None and Path(self.out).suffix.lower() not in (".png", ".jpg", ".jpeg"):
+            # matplotlib would add .png to another name and the report would name a file it did not write
+            raise ValueError(f"InspectArgs.out must be a .png or .jpg file, got {str(self.out)!r}")
 
 
 def _allocate_rows(spec):

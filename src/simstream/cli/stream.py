@@ -35,6 +35,13 @@ class StreamArgs:
     """With ``--backend ray``: the cluster to join (``auto``, ``host:port``); default: ``RAY_ADDRESS``,
     else a Ray instance started on this machine."""
 
+    def __post_init__(self) -> None:
+        from .._validation import require_int, require_number
+
+        require_number("StreamArgs", "seconds", self.seconds, 0, 1e6, low_open=True)
+        require_int("StreamArgs", "batch_size", self.batch_size, 1)
+        require_int("StreamArgs", "chunk_size", self.chunk_size, 1)
+
 
 def run_stream(args: StreamArgs) -> dict[str, float]:
     """Run the example; returns the measured rates."""
