@@ -163,8 +163,11 @@ def test_stop_cancels_a_running_start():
 )
 def test_stop_that_cancels_a_start_raises_what_the_cleanup_found(close_fault, error_type, message):
     """A cancelled start whose cleanup fails ends FAILED, and the stop() that cancelled it says why."""
+    # a hanging close is forced after the timeout; a raising one must have time to raise on a loaded
+    # machine (forced first, it would be a durability failure instead of its own error)
+    timeout = 0.5 if close_fault == "hang" else 10.0
     engine = OnlineDataEngine(
-        make_cfg(ScriptedSpec(fault="stall", close_fault=close_fault), shutdown_timeout=0.5)
+        make_cfg(ScriptedSpec(fault="stall", close_fault=close_fault), shutdown_timeout=timeout)
     )
     thread, errors = _start_in_a_thread(engine)
     with engine._lifecycle:
