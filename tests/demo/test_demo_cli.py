@@ -309,3 +309,21 @@ def test_synthetic_spec_names_a_bad_setting(kwargs, message):
     with pytest.raises(ValueError) as raised:
         SyntheticSpec(**kwargs)
     assert str(raised.value) == message
+
+
+def test_eval_refuses_a_json_out_folder_before_evaluating(tmp_path, capsys):
+    assert simstream(["eval", str(tmp_path / "checkpoint.pt"), "--json-out", str(tmp_path)]) == 2
+    assert f"EvalArgs.json_out must be a file path, got the folder {str(tmp_path)!r}" in _one_line(
+        capsys.readouterr().err
+    )
+
+
+def test_demo_refuses_to_record_into_a_file_and_writes_nothing(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("not a dataset")
+    runs = tmp_path / "runs"
+    assert simstream(["demo", "--quick", "--runs-dir", str(runs), "--record", str(target)]) == 2
+    assert "DemoConfig.record must be a dataset folder (new or to append to), got the file" in _one_line(
+        capsys.readouterr().err
+    )
+    assert not runs.exists()

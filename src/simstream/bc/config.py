@@ -155,6 +155,11 @@ class DemoConfig:
             require_int("DemoConfig", name, getattr(self, name), 1)
         # the scripted experts take up to ~80 steps (150 seeds per task); shorter rows cannot hold a success
         require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
+        if self.record is not None and Path(self.record).is_file():
+            raise ValueError(
+                f"DemoConfig.record must be a dataset folder (new or to append to), got the file "
+                f"{str(self.record)!r}"
+            )
         for name in ("history", "horizon"):  # a context spans history + horizon - 1 frames of one row
             require_int("DemoConfig", name, getattr(self, name), 1, self.max_episode_steps)
         for name in ("refill_threshold", "eval_episodes_during"):

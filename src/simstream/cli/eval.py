@@ -76,6 +76,8 @@ class EvalArgs:
         require_int("EvalArgs", "seed_offset", self.seed_offset, 0)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
+        if self.json_out is not None and Path(self.json_out).is_dir():  # known now, not after the episodes
+            raise ValueError(f"EvalArgs.json_out must be a file path, got the folder {str(self.json_out)!r}")
 
 
 def write_video(path: Path, episodes: list[list], fps: int) -> Path:
