@@ -14,6 +14,7 @@ __all__ = [
     "OnlineDataBudgetExhaustedError",
     "OnlineDataWorkerError",
     "add_note",
+    "ended_process_error",
 ]
 
 
@@ -72,3 +73,10 @@ def add_note(error: BaseException, note: str) -> None:
             notes = []
             error.__notes__ = notes
         notes.append(note)
+
+
+def ended_process_error(worker: str, kind: str, message: str) -> OnlineDataWorkerError:
+    """What a consumer raises for a worker's ``SystemExit``/``KeyboardInterrupt`` (named ``kind``): raised as
+    it is, it would end the consumer's process too (a ``DataLoader`` worker catches only ``Exception``), or
+    read as a lost Ray actor, without a word of where it came from."""
+    return OnlineDataWorkerError(f"Worker {worker} raised {kind}: {message} (it ended that process)")

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from ..engine.window import GeneratedWindow, generate_window
-from ..errors import OnlineDataWorkerError
+from ..errors import OnlineDataWorkerError, ended_process_error
 
 __all__ = ["ProducerActor", "WindowFailure", "WindowPayload", "numpy_view"]
 
@@ -75,9 +75,8 @@ class ProducerActor:
         tree: dict = {}
         self._arrays: list[tuple[str, np.ndarray]] = []
         """Field name -> a NumPy view of the rows' tensor (the frames are sliced and returned from it)."""
-        self._nan_arrays: list[np.ndarray] = []
-        self._nan_tensors: list[torch.Tensor] = []
-        """Float fields, reset to NaN before every attempt: through NumPy, or torch for dtypes NumPy lacks."""
+        self._floats: list[torch.Tensor] = []
+        """Float fields, reset to NaN before every attempt (torch fills every float dtype)."""
         for name, field in dict(spec.fields()).items():
             tensor = torch.zeros((spec.num_envs, self._max_steps, *field.shape), dtype=field.dtype)
             path = tuple(name.split("/"))
@@ -85,13 +84,9 @@ class ProducerActor:
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = tensor
-            array = numpy_view(tensor)
-            self._arrays.append((name, array))
+            self._arrays.append((name, numpy_view(tensor)))
             if field.dtype.is_floating_point:
-                if array.dtype.kind == "f":
-                    self._nan_arrays.append(array)
-                else:
-                    self._nan_tensors.append(tensor)
+                self._floats.append(tensor)
         self._rows = TensorDict(tree, batch_size=[spec.num_envs, self._max_steps])
         with _picklable_errors(self._worker_index):
             self._source = spec.build(self._worker_index, self._seed)
@@ -154,9 +149,7 @@ class ProducerActor:
     def _reset(self) -> None:
         """Frames back to unwritten (NaN) so that a reported frame left unwritten is caught on ingest."""
         if self._poison:
-            for array in self._nan_arrays:
-                array.fill(np.nan)
-            for tensor in self._nan_tensors:
+            for tensor in self._floats:
                 tensor.fill_(math.nan)
 
 
@@ -185,10 +178,7 @@ def _picklable_errors(worker_index: int):
     try:
         yield
     except (SystemExit, KeyboardInterrupt) as error:
-        kind = type(error).__qualname__
-        raise OnlineDataWorkerError(
-            f"Worker producer-{worker_index} raised {kind}: {error} (it ended that process)"
-        ) from None
+        raise ended_process_error(f"producer-{worker_index}", type(error).__qualname__, str(error)) from None
     except Exception as error:
         try:
             pickle.loads(pickle.dumps(error))

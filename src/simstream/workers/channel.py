@@ -21,7 +21,7 @@ import traceback
 from dataclasses import asdict, dataclass
 
 from .._sync import SharedLock
-from ..errors import OnlineDataWorkerError, add_note
+from ..errors import OnlineDataWorkerError, add_note, ended_process_error
 
 __all__ = ["ErrorChannel", "FailureRecord", "cap_text", "describe_exit", "signal_name"]
 
@@ -326,12 +326,8 @@ class ErrorChannel:
 
 
 def _from_another_process(error: BaseException, record: FailureRecord) -> OnlineDataWorkerError:
-    """A ``SystemExit`` (a source's ``sys.exit()``), ``KeyboardInterrupt`` or other non-``Exception`` that
-    another process published, as this process raises it: re-raised as it is, it would end this process
-    (a ``DataLoader`` worker catches only ``Exception``) without a word of where it came from."""
-    wrapper = OnlineDataWorkerError(
-        f"Worker {record.worker} raised {record.type_name}: {record.message} (it ended that process)"
-    )
+    """A non-``Exception`` (a source's ``sys.exit()``) another process published, as this one raises it."""
+    wrapper = ended_process_error(record.worker, record.type_name, record.message)
     wrapper.__cause__ = error
     return wrapper
 
