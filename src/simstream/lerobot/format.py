@@ -45,12 +45,12 @@ QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 VIDEO_GOP = 2
 VIDEO_CODECS: dict[str, dict[str, Any]] = {
     # LeRobot's own default: smallest files, ~27 ms of CPU per 70-frame 64x64 episode (2 vCPU machine)
-    "av1": {"encoder": "libsvtav1", "crf": 30, "preset": 12, "frame_rule": "height and width >= 4"},
+    "av1": {"encoder": "libsvtav1", "crf": 30, "preset": 12, "min_side": 4, "even_sides": False},
     # ~5 ms per such episode (one encoder thread) and more bytes: for recording beside busy producers
-    "h264": {"encoder": "libx264", "crf": 23, "preset": "ultrafast", "frame_rule": "even height and width"},
+    "h264": {"encoder": "libx264", "crf": 23, "preset": "ultrafast", "min_side": 1, "even_sides": True},
 }
 """The video codecs a dataset can be written with (``video.codec`` in ``info.json``); PyAV decodes both.
-``frame_rule``: the frame sizes the encoder opens for (measured with PyAV's FFmpeg)."""
+``min_side``, ``even_sides``: the frame sizes the encoder opens for (measured with PyAV's FFmpeg)."""
 
 
 def check_video_frames(features: list[Feature], video_codec: str) -> None:
@@ -64,9 +64,12 @@ def check_video_frames(features: list[Feature], video_codec: str) -> None:
         if feature.dtype != "video":
             continue
         _, height, width = feature.shape
-        fits = height % 2 == 0 and width % 2 == 0 if video_codec == "h264" else min(height, width) >= 4
-        if not fits:
-            rule = VIDEO_CODECS[video_codec]["frame_rule"]
+        codec = VIDEO_CODECS[video_codec]
+        even = not codec["even_sides"] or (height % 2 == 0 and width % 2 == 0)
+        if not even or min(height, width) < codec["min_side"]:
+            rule = (
+                "even height and width" if codec["even_sides"] else f"height and width >= {codec['min_side']}"
+            )
             raise ValueError(
                 f"field {feature.field!r}: {video_codec} video needs {rule}; its frames are "
                 f"{height}x{width}. Record it as PNG images (video=False, --no-video) or use another frame "

@@ -145,7 +145,7 @@ class DatasetWriter:
                 f"recording's {sorted(expected)} (same keys, dtypes and shapes needed to append)"
             )
         if state["total_episodes"]:
-            self._check_scalars()
+            self._check_scalars(state["meta"])
         if self.robot_type is None:  # a recording that does not say keeps what the dataset says
             self.robot_type = info.get("robot_type")
         self.tasks = {t: i for i, t in enumerate(state["tasks"])}
@@ -156,12 +156,11 @@ class DatasetWriter:
         self.frames_flushed = state["total_frames"]
         self.next_file = state["next_file"]
 
-    def _check_scalars(self) -> None:
+    def _check_scalars(self, meta) -> None:
         """LeRobot's shape ``[1]`` is a field of shape ``()`` (a plain column) or ``(1,)`` (a list column):
         appending the other kind would leave columns of two types that no reader can replay."""
-        from .dataset import read_dataset_meta, scalar_columns
+        from .dataset import scalar_columns
 
-        meta = read_dataset_meta(self.root)
         stored = scalar_columns(meta)
         for feature in self.features:
             if not feature.visual and feature.scalar != (feature.key in stored):
@@ -475,6 +474,7 @@ def repair(root: Path | str) -> dict[str, Any]:
     )
     write_json(root / "meta" / "info.json", info)
     return {
+        "meta": meta,
         "info": info,
         "tasks": meta.tasks,
         "subtasks": meta.subtasks,
