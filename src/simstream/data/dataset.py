@@ -232,26 +232,26 @@ def _check_chunk_sizes(chunk_size: int | ChunkSizeSampler, sampling_mode: str, s
     A sampler is checked by its ``low``/``high`` bounds when it has them (the built-in ones do; a custom
     sampler without them is trusted).
     """
+    boundary = sampling_mode == "boundary"
     if isinstance(chunk_size, int):
-        low, high, what = chunk_size, chunk_size, f"chunk_size ({chunk_size})"
-    else:
-        if not (hasattr(chunk_size, "low") and hasattr(chunk_size, "high")):
-            return
-        low, high, what = chunk_size.low, chunk_size.high, f"chunk_size {chunk_size!r}"
+        if chunk_size > steps:
+            raise ValueError(f"chunk_size must be in [1, max_episode_steps = {steps}], got {chunk_size}.")
+        if boundary and chunk_size < 2:
+            raise ValueError(f"sampling_mode='boundary' needs chunk_size >= 2, got {chunk_size}.")
+        return
+    if not (hasattr(chunk_size, "low") and hasattr(chunk_size, "high")):
+        return
+    low, high = chunk_size.low, chunk_size.high
     if high is None or high > steps:
         bound = "can draw any size" if high is None else f"can draw up to {high}"
         raise ValueError(
-            f"{what} {bound}; a chunk holds at most max_episode_steps = {steps} frames: give it "
-            f"high <= {steps}."
-            if not isinstance(chunk_size, int)
-            else f"chunk_size must be in [1, max_episode_steps = {steps}], got {chunk_size}."
+            f"chunk_size {chunk_size!r} {bound}; a chunk holds at most max_episode_steps = {steps} frames: "
+            f"give it high <= {steps}."
         )
-    if sampling_mode == "boundary" and (low is None or low < 2):
+    if boundary and (low is None or low < 2):
         raise ValueError(
             f"sampling_mode='boundary' needs chunks of at least 2 frames (one each side of a segment "
-            f"boundary); {what} can be {low or 1}: give it low >= 2."
-            if not isinstance(chunk_size, int)
-            else f"sampling_mode='boundary' needs chunk_size >= 2, got {chunk_size}."
+            f"boundary); chunk_size {chunk_size!r} can be {low or 1}: give it low >= 2."
         )
 
 
