@@ -99,6 +99,12 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
             "DemoConfig.ray_address must be None unless backend is 'ray', got 'auto'",
         ),
         (["--backend", "ray", "--ray-address", " "], "DemoConfig.ray_address must be None or a nonempty"),
+        # the engine's checks, before a run folder exists: a buffer /dev/shm cannot hold, a missing dataset
+        (
+            ["--vision", "--image-size", "256", "--buffer-size", "4000"],
+            "OnlineDataEngineCfg.buffer_size=4000 needs 314792394752 bytes (293.2 GiB) of shared memory",
+        ),
+        (["--dataset", "/nonexistent/simstream-dataset"], "no such dataset folder"),
     ],
 )
 def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):

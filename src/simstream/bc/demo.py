@@ -33,7 +33,7 @@ from .text import HashedTextEmbedding
 from .train import TrainingLog, fit_normalizer, train_policy
 from .vision import VisionPolicy, VisionPolicyConfig
 
-__all__ = ["run_demo", "start_with_progress"]
+__all__ = ["check_demo_setup", "run_demo", "start_with_progress"]
 
 
 def start_with_progress(engine: Any, total: int, timeout_s: float) -> float:
@@ -133,6 +133,25 @@ def engine_config(cfg: DemoConfig):
     )  # fmt: skip
 
 
+def check_demo_setup(cfg: DemoConfig) -> Any:
+    """The engine's config for ``cfg``, checked as far as it can be before anything starts or is written:
+    every engine field, the source (``--dataset``: the dataset's files and fields), and that the buffer's
+    shared memory fits ``/dev/shm``.
+
+    ``simstream demo`` calls it while parsing its flags, so such a problem exits with 2 (a bad option)
+    and creates no run folder; :func:`run_demo` calls it again for library users.
+
+    Raises:
+        ValueError: naming the setting and its accepted range, or the bytes needed against those free.
+    """
+    from simstream.engine.sizing import check_shared_memory
+
+    engine_cfg = engine_config(cfg)
+    layout = engine_cfg.validate()
+    check_shared_memory(engine_cfg, layout)
+    return engine_cfg
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; returns the summary also written to ``summary.json``.
 
@@ -147,9 +166,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     began = time.monotonic()
     name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.runs_dir) / name
-    engine_cfg = engine_config(cfg)
+    engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source
-    engine_cfg.validate()  # a bad setting fails here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)

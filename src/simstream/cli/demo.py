@@ -25,7 +25,14 @@ def main(argv: list[str]) -> int:
         default = default.with_quick() if "--quick" in argv else default
         parsed.append(tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo"))
 
-    code = exit_code("simstream demo", parse)
+    def parse_and_check() -> None:
+        parse()
+        if parsed:  # not --help: the engine's settings and /dev/shm, before a run folder exists
+            from simstream.bc.demo import check_demo_setup
+
+            check_demo_setup(parsed[0])
+
+    code = exit_code("simstream demo", parse_and_check)
     if code or not parsed:  # a bad option, or --help
         return code
     # from here on a ValueError is a failure of the run, not a bad option
