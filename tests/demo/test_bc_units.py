@@ -260,6 +260,54 @@ def test_closed_loop_evaluation_sends_the_env_a_binary_gripper(monkeypatch, thre
         assert set(sent) <= expected
 
 
+def test_evaluation_runs_many_seeds_in_bounded_groups_with_the_same_results(monkeypatch):
+    """Seeds beyond ``max_parallel`` run in later groups: never more simulators open than that, and the
+    episodes, their order, the recorded videos and the progress count are those of one lockstep run."""
+    import simstream.tasks as tasks
+
+    open_envs, most = [0], [0]
+    make_env = tasks.make_env
+
+    def counted_make_env(*args, **kwargs):
+        env = make_env(*args, **kwargs)
+        close = env.close
+        open_envs[0] += 1
+        most[0] = max(most[0], open_envs[0])
+
+        def counted_close():
+            open_envs[0] -= 1
+            close()
+
+        env.close = counted_close
+        return env
+
+    monkeypatch.setattr(tasks, "make_env", counted_make_env)
+    torch.manual_seed(0)
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    rollout = RolloutConfig(max_episode_steps=5)
+    seeds = eval_seeds(5)
+    finished: list[int] = []
+    grouped = evaluate_policy(
+        policy, HashedTextEmbedding(8), "pick_place", seeds, rollout,
+        record=3, image_size=16, on_step=finished.append, max_parallel=2,
+    )  # fmt: skip
+    assert most[0] == 2 and open_envs[0] == 0
+    assert sum(finished) == 5
+    whole = evaluate_policy(
+        policy, HashedTextEmbedding(8), "pick_place", seeds, rollout, record=3, image_size=16
+    )
+    assert most[0] == 5 and open_envs[0] == 0
+    assert grouped.seeds == whole.seeds == seeds
+    assert grouped.lengths == whole.lengths == [5] * 5
+    assert grouped.successes == whole.successes
+    assert grouped.instructions == whole.instructions and len(set(whole.instructions)) > 1
+    assert [len(f) for f in grouped.frames] == [len(f) for f in whole.frames] == [5, 5, 5]
+    for a, b in zip(grouped.frames, whole.frames):
+        np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    with pytest.raises(ValueError, match=r"evaluate_policy.max_parallel must be an int >= 1, got 0"):
+        evaluate_policy(policy, HashedTextEmbedding(8), "pick_place", seeds, rollout, max_parallel=0)
+
+
 # ---------------------------------------------------------------------------------------- checkpoint, config
 def test_checkpoint_round_trip(tmp_path):
     policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))

@@ -1,7 +1,8 @@
 """Closed-loop evaluation: run a chunk policy in fresh seeded episodes of a built-in task.
 
-All episodes of one evaluation run in lockstep, one ``TaskEnv`` each, so the policy runs once per control
-step on a batch instead of once per episode. The policy predicts a chunk of ``horizon`` actions. By default
+The episodes of one evaluation run in lockstep, one ``TaskEnv`` each, so the policy runs once per control
+step on a batch instead of once per episode; more than :data:`MAX_PARALLEL_EPISODES` seeds run in
+consecutive groups, so memory stays bounded. The policy predicts a chunk of ``horizon`` actions. By default
 the executor replans every step and blends every chunk's prediction for the current step (temporal
 ensembling, as in ACT); with ``ensemble_decay=None`` it plays the first ``execute_steps`` of each chunk and
 then replans (receding horizon). With ``n`` chunks covering step ``t``, the oldest first (``i = 0``):
@@ -32,7 +33,15 @@ from .policy import ChunkPolicy, observation_features
 from .text import HashedTextEmbedding
 from .vision import PROPRIO_DIM, VisionPolicy, proprio_features
 
-__all__ = ["EVAL_SEED_BASE", "STRIP_EVERY", "EvalResult", "RolloutConfig", "eval_seeds", "evaluate_policy"]
+__all__ = [
+    "EVAL_SEED_BASE",
+    "MAX_PARALLEL_EPISODES",
+    "STRIP_EVERY",
+    "EvalResult",
+    "RolloutConfig",
+    "eval_seeds",
+    "evaluate_policy",
+]
 
 EVAL_SEED_BASE = 1_000_000_007
 """First evaluation seed. Producers draw 64-bit hashed seeds, so evaluation episodes are fresh."""
@@ -183,6 +192,11 @@ def _side_by_side(front: np.ndarray, views: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([front, *scaled], axis=1)
 
 
+MAX_PARALLEL_EPISODES = 64
+"""Episodes one evaluation steps in lockstep at most; more seeds run in consecutive groups of this size, so
+memory (one simulator, its renderers and a history per episode) stays bounded whatever ``--episodes`` is."""
+
+
 def evaluate_policy(
     policy: ChunkPolicy | VisionPolicy,
     embedding: HashedTextEmbedding,
@@ -194,8 +208,9 @@ def evaluate_policy(
     image_size: int = 128,
     keep_strips: bool = False,
     on_step: Callable[[int], None] | None = None,
+    max_parallel: int = MAX_PARALLEL_EPISODES,
 ) -> EvalResult:
-    """Run ``policy`` closed-loop in one episode per seed of ``task``; the episodes run in lockstep.
+    """Run ``policy`` closed-loop in one episode per seed of ``task``; up to ``max_parallel`` in lockstep.
 
     Args:
         policy: A fitted :class:`ChunkPolicy` or :class:`VisionPolicy` (set to eval mode here; it runs on
@@ -209,14 +224,50 @@ def evaluate_policy(
         image_size: Side of the rendered front frames.
         keep_strips: Keep what a vision policy saw in its first successful and first failed episode.
         on_step: Called with the number of episodes that finished, after each control step where some did.
+        max_parallel: Episodes run in lockstep at most (the seeds in order, in groups of this size).
 
     Returns:
-        Per-episode success, length and instruction, the recorded frames and the strips.
+        Per-episode success, length and instruction, in seed order; the recorded frames and the strips.
     """
-    from simstream.tasks import make_env  # imports MuJoCo: only when evaluating
+    from simstream.tasks import get_task
 
     rollout = rollout or RolloutConfig()
+    require_int("evaluate_policy", "max_parallel", max_parallel, 1)
+    require_int("evaluate_policy", "record", record, 0)
+    get_task(task)  # an unknown name fails before a simulator is built
     policy.eval()
+    result = EvalResult(seeds=list(seeds), successes=[], lengths=[], instructions=[])
+    for start in range(0, len(result.seeds), max_parallel):
+        group = result.seeds[start : start + max_parallel]
+        part = _evaluate_group(
+            policy, embedding, task, group, rollout,
+            record=max(0, min(record - start, len(group))), image_size=image_size,
+            keep_strips=keep_strips and len(result.strips) < 2, on_step=on_step,
+        )  # fmt: skip
+        result.successes += part.successes
+        result.lengths += part.lengths
+        result.instructions += part.instructions
+        result.frames += part.frames
+        for outcome, strip in part.strips.items():
+            result.strips.setdefault(outcome, strip)
+    return result
+
+
+def _evaluate_group(
+    policy: ChunkPolicy | VisionPolicy,
+    embedding: HashedTextEmbedding,
+    task: str,
+    seeds: Sequence[int],
+    rollout: RolloutConfig,
+    *,
+    record: int,
+    image_size: int,
+    keep_strips: bool,
+    on_step: Callable[[int], None] | None,
+) -> EvalResult:
+    """One group of :func:`evaluate_policy`: every episode of ``seeds`` in lockstep."""
+    from simstream.tasks import make_env  # imports MuJoCo: only when evaluating
+
     vision = isinstance(policy, VisionPolicy)
     keep_strips = keep_strips and vision
     envs = [make_env(task, max_episode_steps=rollout.max_episode_steps) for _ in seeds]
