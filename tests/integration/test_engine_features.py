@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import pytest
 import torch
@@ -217,6 +219,24 @@ def test_full_lifecycle_log_back_pressures_producers_but_not_sampling(workers):
         fresh = [e for e in records if e["kind"] == "published" and e["generation"] == 2]
         assert sorted(e["slot"] for e in fresh) == [0, 1, 2, 3]
         assert sorted(e["slot"] for e in records if e["kind"] == "evicted") == [0, 1, 2, 3]
+
+
+def test_a_generation_that_waits_for_a_drain_says_so_when_it_times_out():
+    """A refill paused on a full log names the log, its fill and the way out, not just the timeout."""
+    cfg = make_cfg(buffer_size=4, lifecycle_event_capacity=8, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        generation = engine.request_refill()  # 4 records of generation 1 plus the first window's 4 fill it
+        deadline = time.monotonic() + 30
+        while engine._shared.events.pending() < 8 and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # a bounded poll: the log has no event for "full"
+        message = (
+            f"ODS generation {generation} was not published in 0.2s; the lifecycle log holds 8 of its 8 "
+            "records and a window needs room for up to 4: producers wait for drain_lifecycle_events()"
+        )
+        with pytest.raises(TimeoutError, match=re.escape(message)):
+            engine.wait_for_generation(generation, timeout=0.2)
+        engine.drain_lifecycle_events()
+        engine.wait_for_generation(generation, timeout=30)
 
 
 def test_stop_completes_during_back_pressure():

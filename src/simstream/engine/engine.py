@@ -353,7 +353,23 @@ class OnlineDataEngine(EngineLifecycle):
         deadline = time.monotonic() + timeout
         check = partial(self._check_ready, "wait_for_generation")
         if not progress.wait_for_completed(generation, deadline, check):
-            raise TimeoutError(f"ODS generation {generation} was not published in {timeout}s")
+            raise TimeoutError(
+                f"ODS generation {generation} was not published in {timeout}s{self._log_full()}"
+            )
+
+    def _log_full(self) -> str:
+        """Why producers may be paused: a lifecycle log too full for their next window; else ``""``."""
+        events = self._shared.events
+        if events is None:
+            return ""
+        pending, window = events.pending(), 2 * self._num_envs  # a window's published + evicted
+        if events.capacity - pending >= window:
+            return ""
+        return (
+            f"; the lifecycle log holds {pending} of its {events.capacity} records and a window needs room "
+            f"for up to {window}: producers wait for drain_lifecycle_events() (a refill writes up to two "
+            "records per row it writes)"
+        )
 
     # -- status --------------------------------------------------------------------------------------
     def check_health(self) -> None:
