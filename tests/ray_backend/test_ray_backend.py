@@ -281,6 +281,31 @@ def test_stop_returns_the_sim_resources(cluster):
     wait_for(lambda: sim_available() == SIM_CPUS, "the actors' resources after stop()")
 
 
+def test_shutdown_closes_sources_whose_build_finished_unreceived(cluster):
+    """A stop between an actor's build finishing and the ingest receiving it still closes that source
+    (here the ingest never runs: the builds finish, then it shuts down)."""
+    import ray
+
+    from simstream.ray.ingest import RayProducers
+
+    cfg = ray_cfg(ScriptedSpec(close_fault="raise"))
+    engine = OnlineDataEngine(cfg)  # never started: its shared objects only
+    try:
+        producers = RayProducers(engine._shared, cfg, 2, engine._spec_bytes, None)
+        producers.start()
+        builds = [producer.build_ref for producer in producers._producers]
+        ready, _ = ray.wait(builds, num_returns=len(builds), timeout=120)
+        assert len(ready) == 2 and all(p.build_ref is not None for p in producers._producers)
+        report = producers.shutdown(10.0)
+        assert not report.forced
+        error = engine._shared.channel.error()
+        assert isinstance(error, OSError) and "flush failed while closing the source" in str(error)
+        assert "producer-1: source close() also failed: OSError" in "".join(engine._shared.channel.notes())
+        assert all(producer.actor is None for producer in producers._producers)
+    finally:
+        stop_quietly(engine)
+
+
 def test_owner_killed_leaves_no_actor_running(cluster):
     import ray
 
