@@ -86,11 +86,11 @@ def _recorder(engine, record: Path, args: Args, flush_every: int | None):
 
 
 def _refill_back_to_back(engine, seconds: float) -> None:
-    """Request generations back to back for ``seconds``, as ``simstream record`` does."""
+    """Request generations back to back for ``seconds`` with ``simstream record``'s own loop."""
+    from simstream.cli.record import refill_until
+
     began = time.monotonic()
-    while time.monotonic() - began < seconds:
-        engine.request_refill()
-        time.sleep(0.01)  # the record command polls its progress the same way
+    refill_until(engine, lambda: time.monotonic() - began >= seconds, lambda: None)
 
 
 def _alternate(engine, args: Args, record: Path, flush_every: int | None, measure) -> tuple[list, list]:

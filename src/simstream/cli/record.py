@@ -8,13 +8,14 @@ samples) and flushes small groups of closed files. Exit codes: 0 done, 2 a bad o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ._report import exit_code
 
-__all__ = ["RecordArgs", "main", "run_record"]
+__all__ = ["PROGRESS_EVERY_S", "RecordArgs", "main", "refill_until", "run_record"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,37 @@ class RecordArgs:
     """Row capacity at 20 Hz."""
     buffer_size: int | None = None
     """Episodes in the shared buffer; default ``8 * num_workers``."""
+
+
+PROGRESS_EVERY_S = 0.25
+"""Longest wait between two looks at the recording's progress (the bar, a recorder failure, the end)."""
+
+
+def refill_until(
+    engine: Any, done: Callable[[], bool], tick: Callable[[], None], every_s: float = PROGRESS_EVERY_S
+) -> None:
+    """Keep ``engine``'s producers busy until ``done()``: each generation is requested the moment the one
+    before completes (a request coalesces with an outstanding one), and ``tick()`` runs at least every
+    ``every_s`` seconds.
+
+    Waiting for the completion itself, not for the next look at the progress, is what keeps producers from
+    idling between generations: a request once per look left them idle for up to ``every_s`` after each.
+
+    Raises:
+        Exception: a producer's failure (from the engine), or whatever ``tick`` raises.
+    """
+    generation = engine.request_refill()
+    next_tick = time.monotonic()
+    while not done():
+        now = time.monotonic()
+        if now >= next_tick:
+            tick()
+            next_tick = now + every_s
+        try:
+            engine.wait_for_generation(generation, timeout=max(1e-3, next_tick - now))
+        except TimeoutError:
+            continue
+        generation = engine.request_refill()
 
 
 def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
@@ -92,18 +124,19 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     )
     began = time.monotonic()
     bar = tqdm(total=args.episodes, unit="ep", disable=not progress, desc=f"recording {args.task}")
+
+    def tick() -> None:
+        recorder.check()
+        bar.n = recorder.episodes_flushed
+        rate = recorder.episodes_flushed / (time.monotonic() - began)
+        megabytes = recorder.bytes_written / 1e6
+        bar.set_postfix_str(f"{rate:.1f} eps/s, {megabytes:.1f} MB written", refresh=True)
+
     try:
         recorder.start()
         engine.start()
-        while recorder.episodes_flushed < args.episodes:
-            recorder.check()
-            engine.check_health()
-            engine.request_refill()
-            bar.n = recorder.episodes_flushed
-            rate = recorder.episodes_flushed / (time.monotonic() - began)
-            megabytes = recorder.bytes_written / 1e6
-            bar.set_postfix_str(f"{rate:.1f} eps/s, {megabytes:.1f} MB written", refresh=True)
-            recorder.wait_flushed(recorder.episodes_flushed + 1, timeout_s=0.25)
+        refill_until(engine, lambda: recorder.episodes_flushed >= args.episodes, tick)
+        tick()  # the bar's last count
     finally:
         bar.close()
         engine.stop()
