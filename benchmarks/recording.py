@@ -115,6 +115,7 @@ def _alternate(engine, args: Args, record: Path, flush_every: int | None, measur
                 result = finish()
                 result["bytes_per_episode"] = recorder.bytes_written / max(1, recorder.episodes_flushed)
                 result["skipped"] = recorder.episodes_skipped
+                result["producer_wait_s"] = recorder.producer_wait_s
                 recorded.append(result)
             else:
                 plain.append(finish())
@@ -251,7 +252,9 @@ def run(args: Args) -> int:
             # with every core busy producing, each CPU second the recorder takes is one the producers lose
             ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
             size = median(recorded, "bytes_per_episode")
-            rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling))
+            # seconds of producer time per second of recording spent waiting for the recorder's copies
+            waited = median(recorded, "producer_wait_s") / args.seconds
+            rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling, waited))
             rounds.append(
                 f"{name}, episodes/s without -> with, in pair order: "
                 + ", ".join(
@@ -261,13 +264,13 @@ def run(args: Args) -> int:
         print(
             "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) "
             "| pairs' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
-            "| CPU ceiling of the ratio |"
+            "| CPU ceiling of the ratio | producers' wait for the recorder (s per s) |"
         )
-        print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
-        for name, a, b, pairs, size, producer_ms, recorder_ms, ceiling in rows:
+        print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        for name, a, b, pairs, size, producer_ms, recorder_ms, ceiling, waited in rows:
             print(
                 f"| {name} | {a:.2f} | {b:.2f} | {statistics.median(pairs):.3f} | {_spread(pairs)} "
-                f"| {size:,.0f} | {producer_ms:.1f} | {recorder_ms:.2f} | {ceiling:.3f} |"
+                f"| {size:,.0f} | {producer_ms:.1f} | {recorder_ms:.2f} | {ceiling:.3f} | {waited:.4f} |"
             )
         print("\n" + "\n".join(f"* {line}" for line in rounds))
 

@@ -107,3 +107,15 @@ def test_demo_records_the_live_stream_then_trains_from_it(tmp_path, capsys):
     )
     replay = json.loads((runs / "replay" / "summary.json").read_text())
     assert replay["steps_done"] == 10 and replay["stream"]["successful_episodes"] >= 16
+
+
+def test_run_record_reports_what_it_recorded_and_how_long_producers_waited(tmp_path):
+    from simstream.cli.record import RecordArgs, run_record
+
+    out = tmp_path / "ds"
+    result = run_record(RecordArgs(episodes=3, out=out, num_workers=1, buffer_size=2), progress=False)
+    assert result["episodes"] == 3 and result["total_episodes"] == 3
+    assert result["path"] == str(out.resolve()) and result["bytes"] > 0
+    assert result["skipped"] == 0 and result["filtered"] == 0
+    # two rows for one producer: its claims wait for the recorder's copies, and that time is counted
+    assert isinstance(result["producer_wait_s"], float) and result["producer_wait_s"] >= 0.0

@@ -277,6 +277,17 @@ def test_a_recorder_counts_only_its_own_skips(tmp_path):
         assert recorder.episodes_skipped == 0
 
 
+def test_a_recorder_counts_only_the_waits_for_itself(tmp_path):
+    cfg = OnlineDataEngineCfg(source=PatternSpec(), buffer_size=4, num_workers=1, refill_policy="manual")
+    engine = OnlineDataEngine(cfg)
+    engine._shared.record_gate.waited_ns[2] = 7 * 10**9  # producers waited 7 s for an earlier recorder
+    recorder = LeRobotRecorder(engine, tmp_path / "ds")
+    with recorder, engine:
+        assert recorder.producer_wait_s == 0.0
+        engine._shared.record_gate.waited_ns[0] += 250_000_000  # a producer's claim waits 0.25 s
+        assert recorder.producer_wait_s == pytest.approx(0.25)
+
+
 def test_episode_writer_claim_passes_through_the_gate():
     """The hook sits in EpisodeWriter.claim: every claim path (local producers, the Ray ingest) gets it."""
     from simstream import Episode

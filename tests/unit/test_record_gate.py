@@ -40,6 +40,10 @@ def test_wait_mode_runs_the_check_until_the_rows_are_recorded():
 
     gate.before_claim(0, 2, published, check)
     assert len(checks) == 2 and gate.skipped.tolist() == [0, 0]
+    # the claim slept at least its first 1-ms slice; the time goes to the row its claim starts at
+    waited = gate.waited_ns.tolist()
+    assert waited[0] >= 1_000_000 and waited[1] == 0
+    assert gate.total_waited_s() == pytest.approx(waited[0] / 1e9)
 
     published = _ids(6, 5)
 
@@ -48,7 +52,10 @@ def test_wait_mode_runs_the_check_until_the_rows_are_recorded():
 
     with pytest.raises(TimeoutError, match="closing"):
         gate.before_claim(0, 1, published, give_up)
+    assert gate.waited_ns[0] > waited[0]  # an abandoned wait counts too (it rang, then the check raised)
+    waited = gate.waited_ns.tolist()
     gate.before_claim(1, 2, published, give_up)  # row 1 is recorded: no wait, no check
+    assert gate.waited_ns.tolist() == waited
 
 
 def _claim_in_child(gate: RecordGate, go, done) -> None:
@@ -84,6 +91,7 @@ def test_a_copy_in_another_process_follows_the_shared_mode(method):
         claim()
         assert done.wait(_BOUND_S)
         assert gate.skipped.tolist() == [1]  # counted through the shared tensor; the producer never waits
+        assert gate.waited_ns.tolist() == [0]
         assert not gate.wait_for_demand(0.0)
         gate.attach("wait")
         claim()
@@ -92,6 +100,7 @@ def test_a_copy_in_another_process_follows_the_shared_mode(method):
         gate.mark_recorded(0, 9)  # the recorder copied the row: the claim proceeds
         assert done.wait(_BOUND_S)
         assert gate.skipped.tolist() == [1]
+        assert gate.waited_ns[0] >= 1_000_000  # the producer's wait, through the shared tensor
         assert not gate.wait_for_demand(0.0), "one ring per wait, not one per slice"
     finally:
         child.join(_BOUND_S)

@@ -55,7 +55,9 @@ def test_the_computed_sizes_are_what_storage_and_index_allocate(fields, rows, st
     assert all(t.is_shared() for t in tensors)
     assert EligibilityIndex.shared_bytes(rows, steps) == _allocated(tensors)
     gate = RecordGate(rows)
-    assert RecordGate.shared_bytes(rows) == _allocated([gate.recorded, gate.skipped, gate.mode])
+    assert RecordGate.shared_bytes(rows) == _allocated(
+        [gate.recorded, gate.skipped, gate.waited_ns, gate.mode]
+    )
 
 
 def test_every_region_is_listed_with_the_field_that_sizes_it():

@@ -6,11 +6,12 @@ is attached in ``"wait"`` mode, waits until every row about to be claimed is rec
 
     row r may be claimed  <=>  episode_id[r] < 0  or  recorded[r] >= episode_id[r]
 
-``recorded[r]`` has one writer (the recorder); ``skipped[r]`` has one writer (the producer owning row
-``r``). In ``"skip"`` mode a claim never waits: it counts the unrecorded episode it overwrites in
-``skipped``. The wait is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a
-producer's stop check raises once the engine closes or its owner is gone); a recorder that detaches (closes,
-or its thread fails) sets the mode back to off, which ends every wait.
+``recorded[r]`` has one writer (the recorder); ``skipped[r]`` and ``waited_ns[r]`` (how long claims
+starting at row ``r`` waited for the recorder) have one writer each (the producer owning row ``r``). In
+``"skip"`` mode a claim never waits: it counts the unrecorded episode it overwrites in ``skipped``. The wait
+is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a producer's stop check
+raises once the engine closes or its owner is gone); a recorder that detaches (closes, or its thread fails)
+sets the mode back to off, which ends every wait.
 
 The recorder looks at the index on a timer (a tenth of a second), which keeps it off the producers' cores
 between looks. A claim that must wait rings the gate's doorbell before its first sleep, so a producer
@@ -40,15 +41,16 @@ _FIRST_SLICE_S, _LAST_SLICE_S = 0.001, 0.02
 class RecordGate:
     """Per-row "recorded up to episode id" in shared memory, and the recorder's mode.
 
-    Owns: ``recorded`` and ``skipped`` (``[buffer_size]`` int64), ``mode`` (one int64) and the doorbell a
-    waiting claim rings (a semaphore). Allocated by the engine's owner and pickled into producers with the
-    rest of the shared state.
+    Owns: ``recorded``, ``skipped`` and ``waited_ns`` (``[buffer_size]`` int64), ``mode`` (one int64) and
+    the doorbell a waiting claim rings (a semaphore). Allocated by the engine's owner and pickled into
+    producers with the rest of the shared state.
     """
 
     def __init__(self, buffer_size: int, ctx: Any = None) -> None:
         self._demand = Doorbell(ctx)
         self.recorded = torch.full((buffer_size,), -1, dtype=torch.int64).share_memory_()
         self.skipped = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
+        self.waited_ns = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
         self.mode = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._mode_view = self.mode.numpy()
         """NumPy view of ``mode``: every claim reads it, and a tensor read costs several microseconds."""
@@ -65,7 +67,7 @@ class RecordGate:
     @staticmethod
     def shared_bytes(buffer_size: int) -> int:
         """Bytes of shared memory :meth:`__init__` allocates."""
-        return 8 * (2 * buffer_size + 1)
+        return 8 * (3 * buffer_size + 1)
 
     def attach(self, mode: str) -> None:
         """Start gating claims: ``"wait"`` (producers wait for the recorder) or ``"skip"`` (they count)."""
@@ -99,6 +101,10 @@ class RecordGate:
     def total_skipped(self) -> int:
         return int(self.skipped.sum())
 
+    def total_waited_s(self) -> float:
+        """Seconds producers' claims have spent waiting for a recorder, summed over producers."""
+        return int(self.waited_ns.sum()) / 1e9
+
     def before_claim(
         self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None = None
     ) -> None:
@@ -109,20 +115,25 @@ class RecordGate:
             episode_id: The index's per-row published episode id (``-1``: none).
             check: Runs between wait slices; raises to abandon the claim (e.g. the engine is closing).
         """
-        slice_s = _FIRST_SLICE_S
-        while True:
-            mode = int(self._mode_view[0])
-            if mode == _OFF:
-                return
-            pending = episode_id[start:end] > self.recorded[start:end]
-            if not bool(pending.any()):
-                return
-            if mode == _SKIP:
-                self.skipped[start:end] += pending.to(torch.int64)
-                return
-            if slice_s == _FIRST_SLICE_S:
-                self._demand.ring()  # before the first sleep: the recorder copies now, not on its timer
-            if check is not None:
-                check()
-            time.sleep(slice_s)
-            slice_s = min(slice_s * 2, _LAST_SLICE_S)
+        slice_s, began = _FIRST_SLICE_S, None
+        try:
+            while True:
+                mode = int(self._mode_view[0])
+                if mode == _OFF:
+                    return
+                pending = episode_id[start:end] > self.recorded[start:end]
+                if not bool(pending.any()):
+                    return
+                if mode == _SKIP:
+                    self.skipped[start:end] += pending.to(torch.int64)
+                    return
+                if began is None:
+                    began = time.monotonic_ns()
+                    self._demand.ring()  # before the first sleep: the recorder copies now, not on its timer
+                if check is not None:
+                    check()
+                time.sleep(slice_s)
+                slice_s = min(slice_s * 2, _LAST_SLICE_S)
+        finally:
+            if began is not None:
+                self.waited_ns[start] += time.monotonic_ns() - began

@@ -147,6 +147,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         "episodes_per_s": recorder.episodes_flushed / elapsed,
         "bytes": recorder.bytes_written,
         "skipped": recorder.episodes_skipped,
+        "producer_wait_s": recorder.producer_wait_s,
         "filtered": recorder.episodes_filtered,
         "seconds": elapsed,
         "total_episodes": recorder.writer.episodes_flushed,
@@ -172,6 +173,8 @@ def main(argv: list[str]) -> int:
             extra = (
                 f"; {result['skipped']} skipped while behind, {result['filtered']} left out (not successful)"
             )
+        if result["producer_wait_s"] >= 0.05:  # the recorder fell behind: say what it cost the producers
+            extra += f"; producers waited {result['producer_wait_s']:.1f} s for the recorder"
         print(
             f"recorded {result['episodes']} episodes in {result['seconds']:.1f} s "
             f"({result['episodes_per_s']:.1f} eps/s, {result['bytes'] / 1e6:.1f} MB){extra}\n"

@@ -131,6 +131,7 @@ class LeRobotRecorder:
         """Published episodes of 0 frames (a source may report them): nothing to record, never written."""
         self._base = self.writer.episodes_flushed
         self._skipped_base = self._shared.record_gate.total_skipped()
+        self._waited_base = self._shared.record_gate.total_waited_s()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
@@ -155,6 +156,12 @@ class LeRobotRecorder:
         return self._shared.record_gate.total_skipped() - self._skipped_base
 
     @property
+    def producer_wait_s(self) -> float:
+        """Seconds producers waited for this recorder to copy an episode before overwriting its row
+        (``on_full="wait"``), summed over producers: what recording cost the stream beyond CPU."""
+        return self._shared.record_gate.total_waited_s() - self._waited_base
+
+    @property
     def bytes_written(self) -> int:
         return self.writer.bytes_written
 
@@ -175,6 +182,7 @@ class LeRobotRecorder:
         if self._thread is not None:
             raise RuntimeError("LeRobotRecorder.start() was already called")
         self._skipped_base = self._shared.record_gate.total_skipped()  # an earlier recorder's skips
+        self._waited_base = self._shared.record_gate.total_waited_s()
         self._shared.record_gate.attach(self.on_full)
         self._writer_thread = threading.Thread(target=self._write, name="lerobot-writer", daemon=True)
         self._writer_thread.start()
