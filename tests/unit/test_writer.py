@@ -96,6 +96,25 @@ def test_segment_tables_equal_the_tables_scanned_from_metadata(layout):
     assert derived.boundaries.shape[1:] == (3,) and derived.valid_frames == scanned.valid_frames == length
 
 
+def test_segment_runs_break_at_a_continuity_break_whatever_the_segment_ids():
+    """Segment ids count empty segments too, so they may exceed the row's length: a continuity break
+    between segment 0 (region 1) and segment 3 (region 0) is still two runs, not one across the break.
+    With ids as large as int64 allows, nothing wraps."""
+    tables = compute_row_tables(np.array([1, 0]), np.array([0, 3]), np.array([True, True]))
+    assert tables.runs[0].tolist() == [[0, 1], [1, 2]] and tables.runs[1].tolist() == [[0, 1], [1, 2]]
+    huge = 2**62
+    tables = compute_row_tables(np.array([0, huge, huge]), np.array([0, 0, 0]), np.ones(3, dtype=bool))
+    assert tables.runs[1].tolist() == [[0, 1], [1, 3]]
+    # and through the writer: the episode validate_episodes accepts, sampled in segment mode
+    harness = Harness(rows=1, steps=4)
+    segments = [Segment(0, 1), Segment(1, 1), Segment(1, 1), Segment(1, 2)]
+    harness.publish(0, Episode(length=2, segments=segments, continuity=[1, 0]))
+    index = harness.index
+    count = int(index.num_runs[1, 0])
+    runs = torch.stack([index.run_lo[1, 0, :count], index.run_hi[1, 0, :count]], dim=1)
+    assert runs.tolist() == [[0, 1], [1, 2]]
+
+
 def test_touching_accepted_segments_give_change_points_inside_their_run():
     segments = [(0, 4, True), (4, 9, True), (9, 12, False), (12, 15, True), (15, 20, True)]
     tables = segment_row_tables(20, segments)

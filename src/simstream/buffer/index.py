@@ -41,12 +41,15 @@ class RowTables:
     valid_frames: int
 
 
-def _runs(ok: np.ndarray, key: np.ndarray) -> np.ndarray:
+def _runs(ok: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """``[lo, hi)`` runs of frames where ``ok`` holds, cut wherever ``ok`` or any of ``keys`` changes."""
     n = len(ok)
     if n == 0:
         return np.zeros((0, 2), dtype=np.int64)
     cut = np.ones(n + 1, dtype=bool)
-    cut[1:n] = (key[1:] != key[:-1]) | (ok[1:] != ok[:-1])
+    cut[1:n] = ok[1:] != ok[:-1]
+    for key in keys:  # each compared alone: a combined key of several ids can collide or overflow
+        cut[1:n] |= key[1:] != key[:-1]
     edges = np.flatnonzero(cut)
     keep = ok[edges[:-1]]
     runs = np.empty((int(keep.sum()), 2), dtype=np.int64)
@@ -61,7 +64,7 @@ def compute_row_tables(continuity: np.ndarray, segment_id: np.ndarray, accepted:
     in_region = continuity >= 0
     episode = _runs(in_region, continuity)
     in_segment = in_region & (segment_id >= 0) & accepted
-    segment = _runs(in_segment, continuity * (length + 1) + segment_id)
+    segment = _runs(in_segment, continuity, segment_id)
     accepted_runs = _runs(in_region & accepted, continuity)
     points = []
     for lo, hi in accepted_runs:
