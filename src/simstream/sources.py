@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -133,6 +134,14 @@ def _exact_int(value: object) -> bool:
     return type(value) is int
 
 
+def _flag(value: object) -> bool:
+    """A report's flag: ``bool``, or NumPy's (what ``x > y`` of NumPy numbers gives)."""
+    return isinstance(value, (bool, np.bool_))
+
+
+_INT64_MAX = 2**63 - 1
+
+
 def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Episode]:
     """Check a rollout's report against the rules of the protocol.
 
@@ -170,12 +179,31 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
             raise ValueError(f"Episode.length of row {row} must be an int in [0, {capacity}], got {length!r}")
         if episode.instruction is not None and not isinstance(episode.instruction, str):
             raise ValueError(f"Episode.instruction of row {row} must be str or None")
+        for name in ("success", "terminated", "truncated"):
+            if not _flag(getattr(episode, name)):
+                raise ValueError(
+                    f"Episode.{name} of row {row} must be a bool, got {getattr(episode, name)!r}"
+                )
+        segments = episode.segments
+        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+            # a generator would be used up here, and the writer would then see no segments
+            raise ValueError(
+                f"Episode.segments of row {row} must be a sequence (tuple or list) of Segment objects, "
+                f"got {type(segments).__name__}"
+            )
         previous_end = 0
-        for k, segment in enumerate(episode.segments):
+        for k, segment in enumerate(segments):
             if not isinstance(segment, Segment):
-                raise ValueError(f"Episode.segments[{k}] of row {row} must be a Segment")
+                raise ValueError(f"Episode.segments[{k}] of row {row} must be a Segment, got {segment!r}")
             start, end = segment.start, segment.end
-            if not (_exact_int(start) and _exact_int(end) and 0 <= start <= end <= length):
+            if not (_exact_int(start) and _exact_int(end)):
+                raise ValueError(
+                    f"Segment bounds of row {row} must be ints, got start={start!r} and end={end!r} "
+                    f"(segment {k})"
+                )
+            if not _flag(segment.accepted):
+                raise ValueError(f"Segment.accepted of row {row} must be a bool, got {segment.accepted!r}")
+            if not 0 <= start <= end <= length:
                 raise ValueError(
                     f"Segment [{start}, {end}) of row {row} is outside the row: segments must satisfy "
                     f"0 <= start <= end <= length={length}"
@@ -191,15 +219,24 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
                 )
             previous_end = end
         if episode.continuity is not None:
+            if not hasattr(episode.continuity, "__len__") or isinstance(episode.continuity, (str, bytes)):
+                raise ValueError(  # an iterator would be used up here and leave the writer nothing
+                    f"Episode.continuity of row {row} must be a sequence or an array of ids, "
+                    f"got {type(episode.continuity).__name__}"
+                )
             continuity = list(episode.continuity)
             if len(continuity) != length:
                 raise ValueError(
                     f"Episode.continuity of row {row} has {len(continuity)} ids for length {length}; "
                     "it must hold one id per frame"
                 )
-            if any(not isinstance(c, Integral) or isinstance(c, bool) or c < -1 for c in continuity):
+            if any(
+                not isinstance(c, Integral) or isinstance(c, bool) or not -1 <= c <= _INT64_MAX
+                for c in continuity
+            ):
                 raise ValueError(
-                    f"Episode.continuity of row {row} must hold ints >= -1 (-1: never used as context)"
+                    f"Episode.continuity of row {row} must hold ints in [-1, 2**63 - 1] (-1: never used as "
+                    "context)"
                 )
     return list(episodes)
 
@@ -212,11 +249,12 @@ SOURCE_INDEX = "source_index"
 class MixSpec:
     """Fill the buffer from several sources with the same fields, in the given proportions (co-training).
 
-    Each rollout (one window of ``num_envs`` rows) comes from source ``k`` with probability
-    ``weights[k] / sum(weights)``, drawn by a generator seeded per producer worker, so over ``n`` windows
-    the share of source ``k`` is ``weights[k] / sum(weights)`` within binomial error. Every frame carries
-    ``source_index`` (int64, the position ``k``) so a trainer can weigh or filter by it. Sources are built
-    lazily in the worker, on their first draw.
+    Each window of ``num_envs`` rows comes from source ``k`` with probability ``weights[k] / sum(weights)``,
+    drawn by a generator seeded per producer worker, so over ``n`` published windows the share of source
+    ``k`` is ``weights[k] / sum(weights)`` within binomial error. A window's retries (after a failed
+    episode) stay with the source drawn for it, so a source that fails more often is not published less.
+    Every frame carries ``source_index`` (int64, the position ``k``) so a trainer can weigh or filter by it.
+    Sources are built lazily in the worker, on their first draw.
 
     Examples:
         >>> from simstream.synthetic import SyntheticSpec
@@ -231,9 +269,23 @@ class MixSpec:
     """Non-negative proportions, one per source, not all zero."""
 
     def __post_init__(self) -> None:
+        for name in ("specs", "weights"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+                raise ValueError(
+                    f"MixSpec.{name} must be a sequence (one entry per source), got {type(value).__name__}"
+                )
         specs, weights = tuple(self.specs), tuple(self.weights)
         if not specs:
             raise ValueError("MixSpec.specs must hold at least one source spec, got none")
+        for k, spec in enumerate(specs):
+            needed = ("fields", "build", "num_envs", "max_episode_steps")
+            missing = [name for name in needed if not hasattr(spec, name)]
+            if missing:
+                raise ValueError(
+                    f"MixSpec.specs[{k}] must be a SourceSpec (fields(), build(), num_envs, "
+                    f"max_episode_steps); {type(spec).__name__} lacks {missing}"
+                )
         if len(weights) != len(specs):
             raise ValueError(
                 f"MixSpec.weights must hold one weight per spec ({len(specs)}), got {len(weights)}"
@@ -241,8 +293,18 @@ class MixSpec:
         for k, w in enumerate(weights):
             if isinstance(w, bool) or not isinstance(w, Real) or not 0 <= w < float("inf"):
                 raise ValueError(f"MixSpec.weights[{k}] must be a finite number >= 0, got {w!r}")
-        if sum(weights) <= 0:
-            raise ValueError(f"MixSpec.weights must not all be 0, got {list(weights)}")
+        total = sum(float(w) for w in weights)  # inf when the weights overflow together
+        if not 0 < total < float("inf"):
+            raise ValueError(
+                f"MixSpec.weights must sum to a finite number > 0, got {list(weights)} (sum {total})"
+            )
+        for name in ("action_semantics", "action_contracts"):  # what the engine checks its config against
+            values = {repr(getattr(spec, name, None)) for spec in specs}
+            if len(values) > 1:
+                raise ValueError(
+                    f"MixSpec.specs record different {name}: {sorted(values)}; every source must record "
+                    "its actions the same way"
+                )
         first = dict(specs[0].fields())
         if SOURCE_INDEX in first:
             raise ValueError(f"MixSpec.specs[0] already has a field {SOURCE_INDEX!r}; MixSpec adds it")
@@ -267,6 +329,16 @@ class MixSpec:
     @property
     def num_envs(self) -> int:
         return self.specs[0].num_envs
+
+    @property
+    def action_semantics(self) -> str | None:
+        """The sources' common ``action_semantics`` (``None`` when they declare none)."""
+        return getattr(self.specs[0], "action_semantics", None)
+
+    @property
+    def action_contracts(self) -> tuple[str, ...] | None:
+        """The sources' common ``action_contracts`` (``None`` when they declare none)."""
+        return getattr(self.specs[0], "action_contracts", None)
 
     @property
     def max_episode_steps(self) -> int:
@@ -302,6 +374,9 @@ class MixSource:
         self.rng = np.random.default_rng([seed, 0x4D4958])
         self.sources: dict[int, EpisodeSource] = {}
         self.draws = [0] * len(spec.specs)
+        """Windows drawn per source (retries of a window are not drawn again)."""
+        self._current: int | None = None
+        """The source of the window being tried: its retries (``attempt > 0``) stay with it."""
 
     def choose(self) -> int:
         """The source of the next window."""
@@ -310,8 +385,11 @@ class MixSource:
     def rollout(
         self, rows: TensorDict, *, attempt: int, should_stop: Callable[[], bool]
     ) -> Sequence[Episode] | None:
-        k = self.choose()
-        self.draws[k] += 1
+        if attempt > 0 and self._current is not None:
+            k = self._current
+        else:
+            k = self._current = self.choose()
+            self.draws[k] += 1
         spec = self.spec.specs[k]
         if k not in self.sources:
             import numpy as np

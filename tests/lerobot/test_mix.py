@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,6 +18,12 @@ from simstream.synthetic import SyntheticSpec
 from .sources import PatternSpec
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyPatternSpec(PatternSpec):
+    action_semantics: str = "policy_request"
+    action_contracts: tuple[str, ...] = ("joint_position_delta",)
 
 
 @settings(max_examples=25, deadline=None)
@@ -56,6 +63,46 @@ def test_every_frame_carries_its_source_index_through_the_engine():
         assert batch[SOURCE_INDEX].shape == (8, 4)
 
 
+def test_a_windows_retries_stay_with_the_source_drawn_for_it(monkeypatch):
+    """A window whose episode failed is tried again from the same source, so the sources' failure rates do
+    not tilt the published shares; the next window is drawn afresh."""
+    spec = MixSpec((PatternSpec(), PatternSpec()), (1, 1))
+    source = spec.build(0, 0)
+    draws = iter([1, 0])
+    monkeypatch.setattr(source, "choose", lambda: next(draws))
+    rows = _rows(spec)
+    for attempt in range(3):  # the first try of window 1 and two retries
+        assert source.rollout(rows, attempt=attempt, should_stop=lambda: False) is not None
+        assert bool((rows[SOURCE_INDEX] == 1).all())
+    assert source.draws == [0, 1] and list(source.sources) == [1]
+    source.rollout(rows, attempt=0, should_stop=lambda: False)  # the next window: drawn again
+    assert bool((rows[SOURCE_INDEX] == 0).all()) and source.draws == [1, 1]
+
+
+def test_the_sources_common_action_semantics_reach_the_engine_check():
+    policy = MixSpec((PolicyPatternSpec(), PolicyPatternSpec()), (1, 1))
+    assert policy.action_semantics == "policy_request"
+    assert policy.action_contracts == ("joint_position_delta",)
+    plain = MixSpec((PatternSpec(),), (1,))
+    assert plain.action_semantics is None and plain.action_contracts is None
+    message = "action_semantics is 'expert_controller_command' but the source records 'policy_request'"
+    with pytest.raises(ValueError, match=message):
+        OnlineDataEngineCfg(source=policy, buffer_size=4).validate()
+
+
+def _rows(spec: MixSpec):
+    from tensordict import TensorDict
+
+    tree: dict = {}
+    for name, field in spec.fields().items():
+        *parents, leaf = name.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = torch.zeros((spec.num_envs, spec.max_episode_steps, *field.shape), dtype=field.dtype)
+    return TensorDict(tree, batch_size=[spec.num_envs, spec.max_episode_steps])
+
+
 def test_numpy_weights_are_numbers_like_any_other():
     spec = MixSpec((PatternSpec(), PatternSpec()), np.array([3, 1]))
     assert spec.weights == (3.0, 1.0) and all(type(w) is float for w in spec.weights)
@@ -72,7 +119,29 @@ def test_numpy_weights_are_numbers_like_any_other():
         ((PatternSpec(),), (True,), r"MixSpec.weights\[0\] must be a finite number >= 0, got True"),
         ((PatternSpec(),), (np.bool_(True),), r"MixSpec.weights\[0\] must be a finite number >= 0"),
         ((PatternSpec(),), ("1",), r"MixSpec.weights\[0\] must be a finite number >= 0, got '1'"),
-        ((PatternSpec(), PatternSpec()), (0, 0), r"MixSpec.weights must not all be 0, got \[0, 0\]"),
+        (
+            (PatternSpec(), PatternSpec()),
+            (0, 0),
+            r"MixSpec.weights must sum to a finite number > 0, got \[0, 0\] \(sum 0.0\)",
+        ),
+        (
+            (PatternSpec(), PatternSpec()),
+            (1e308, 1e308),
+            r"MixSpec.weights must sum to a finite number > 0, got \[1e\+308, 1e\+308\] \(sum inf\)",
+        ),
+        (PatternSpec(), (1,), "MixSpec.specs must be a sequence \\(one entry per source\\), got PatternSpec"),
+        ((PatternSpec(),), 1.0, "MixSpec.weights must be a sequence \\(one entry per source\\), got float"),
+        (
+            (PatternSpec(), "pick_place"),
+            (1, 1),
+            r"MixSpec.specs\[1\] must be a SourceSpec \(fields\(\), build\(\), num_envs, "
+            r"max_episode_steps\); str lacks \['fields', 'build', 'num_envs', 'max_episode_steps'\]",
+        ),
+        (
+            (PatternSpec(), PolicyPatternSpec()),
+            (1, 1),
+            r"MixSpec.specs record different action_semantics: \[\"'policy_request'\", 'None'\]",
+        ),
         (
             (PatternSpec(), PatternSpec(image_size=16)),
             (1, 1),
@@ -98,6 +167,11 @@ def test_numpy_weights_are_numbers_like_any_other():
         "numpy-bool",
         "string",
         "all-zero",
+        "overflowing-sum",
+        "one-spec",
+        "one-weight",
+        "not-a-spec",
+        "action-semantics",
         "fields",
         "num-envs",
         "other-source",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from simstream import Episode, Segment
@@ -30,8 +33,38 @@ from simstream.sources import validate_episodes
             "Segments of row 0 overlap",
         ),
         ([Episode(3, continuity=[0, 0]), Episode(1)], "Episode.continuity of row 0 has 2 ids for length 3"),
-        ([Episode(2, continuity=[0, -2]), Episode(1)], "Episode.continuity of row 0 must hold ints >= -1"),
+        (
+            [Episode(2, continuity=[0, -2]), Episode(1)],
+            re.escape("Episode.continuity of row 0 must hold ints in [-1, 2**63 - 1]"),
+        ),
+        ([Episode(2, continuity=[0, 2**63]), Episode(1)], re.escape("must hold ints in [-1, 2**63 - 1]")),
+        (
+            [Episode(2), Episode(2, continuity=iter([0, 0]))],
+            "Episode.continuity of row 1 must be a sequence or an array of ids, got list_iterator",
+        ),
         ([Episode(2), "x"], "Episode report for row 1 must be an Episode"),
+        (
+            [Episode(2), Episode(3, segments=(Segment(0, k) for k in (3,)))],
+            r"Episode.segments of row 1 must be a sequence \(tuple or list\) of Segment objects, "
+            "got generator",
+        ),
+        (
+            [Episode(2, segments=None), Episode(1)],
+            "Episode.segments of row 0 must be a sequence .* got NoneType",
+        ),
+        ([Episode(2, segments=Segment(0, 2)), Episode(1)], "Episode.segments of row 0 .* got Segment"),
+        ([Episode(2), Episode(2, segments=[(0, 2)])], r"Episode.segments\[0\] of row 1 must be a Segment"),
+        (
+            [Episode(5, segments=[Segment(np.int64(0), np.int64(5))]), Episode(1)],
+            r"Segment bounds of row 0 must be ints, got start=np.int64\(0\) and end=np.int64\(5\)",
+        ),
+        ([Episode(2, success="False"), Episode(1)], "Episode.success of row 0 must be a bool, got 'False'"),
+        ([Episode(2), Episode(1, terminated=1)], "Episode.terminated of row 1 must be a bool, got 1"),
+        ([Episode(2, truncated=None), Episode(1)], "Episode.truncated of row 0 must be a bool, got None"),
+        (
+            [Episode(2, segments=[Segment(0, 2, accepted="no")]), Episode(1)],
+            "Segment.accepted of row 0 must be a bool, got 'no'",
+        ),
     ],
 )
 def test_broken_reports_name_the_row_and_rule(episodes, message):
@@ -42,6 +75,9 @@ def test_broken_reports_name_the_row_and_rule(episodes, message):
 def test_good_report_passes():
     episodes = [Episode(10, segments=[Segment(0, 4, "a"), Segment(4, 10)]), Episode(0)]
     assert validate_episodes(episodes, 2, 10) == episodes
+    # NumPy's flags (what comparisons of NumPy numbers give) and an array of continuity ids are fine
+    flags = [Episode(3, success=np.bool_(True), continuity=np.array([0, 0, 2**62])), Episode(0)]
+    assert validate_episodes(flags, 2, 10) == flags
 
 
 @pytest.mark.parametrize(

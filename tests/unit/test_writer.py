@@ -202,6 +202,17 @@ def test_the_check_can_be_turned_off_for_sources_whose_data_holds_nan():
     assert bool(harness.storage.metadata("valid")[0].all())
 
 
+@pytest.mark.parametrize("rows", [1, 4])  # row by row, and the vectorised pass of several rows
+def test_a_blank_instruction_is_stored_as_unknown_task_like_none(rows):
+    harness = Harness(rows=rows, steps=8)
+    harness.writer.check_unwritten_frames = False
+    harness.writer.claim(0, rows)
+    episodes = [Episode(3, instruction=" \t ") for _ in range(rows)]
+    harness.writer.write(0, episodes, attempt=0)
+    task = harness.storage.metadata("task_index")[:, 0]
+    assert harness.language.resolve(task, kind="task") == ["unknown_task"] * rows
+
+
 def _reference_row(episode: Episode, attempt: int, language, steps: int) -> dict[str, np.ndarray]:
     """The per-row derivation written out frame by frame (the oracle of the vectorised one)."""
     length = episode.length
@@ -211,7 +222,7 @@ def _reference_row(episode: Episode, attempt: int, language, steps: int) -> dict
     }
     if not length:
         return row
-    text = episode.instruction or "unknown_task"
+    text = episode.instruction if episode.instruction and episode.instruction.strip() else "unknown_task"
     row["valid"][:length] = True
     row["episode_step"][:length] = np.arange(length)
     row["segment_attempt_id"][:length] = attempt

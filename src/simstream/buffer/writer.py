@@ -48,6 +48,13 @@ class PublishedWindow:
     published_monotonic_ns: int
 
 
+def task_text_of(episode: Episode) -> str:
+    """The task text stored for ``episode``: its instruction, or ``"unknown_task"`` when it has none (or
+    only blanks, as a blank segment instruction falls back to the episode's)."""
+    instruction = episode.instruction
+    return instruction if instruction is not None and instruction.strip() else UNKNOWN_TASK
+
+
 def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, np.ndarray | int | bool]:
     """Every metadata key of one row's ``episode.length`` valid frames.
 
@@ -61,7 +68,7 @@ def derive_row_metadata(episode: Episode, attempt: int, language) -> dict[str, n
     accepted = np.zeros(length, dtype=bool)
     segment_start = np.zeros(length, dtype=bool)
     segment_end = np.zeros(length, dtype=bool)
-    task_text = episode.instruction or UNKNOWN_TASK
+    task_text = task_text_of(episode)
     task = language.intern(task_text, kind="task") if length else -1
     fallback = language.intern(task_text, kind="subtask") if length else -1
     subtask = np.full(length, fallback, dtype=np.int64)
@@ -141,7 +148,7 @@ def _fill_rows(
             continuities.append((row, episode.continuity))
         if not length:
             continue  # no frame: nothing interned, every segment empty
-        text = episode.instruction or UNKNOWN_TASK
+        text = task_text_of(episode)
         tasks[row] = language.intern(text, kind="task")
         fallbacks[row] = fallback = language.intern(text, kind="subtask")
         for k, segment in enumerate(segments):
