@@ -82,6 +82,26 @@ def test_segments_follow_the_expert_phases(expert_runs):
     assert plain >= 0.9 * len(records), f"only {plain} episodes without a retry"
 
 
+def test_each_frames_action_belongs_to_the_phase_it_is_labelled_with(expert_runs):
+    """The gripper command tells the phases apart: open while reaching, closed while grasping and lifting.
+    A frame where the expert ends a phase carries that phase's action, so it belongs to that segment (the
+    first frame of every grasp segment commanded "open" when frames took the phase after the step)."""
+    _, records = expert_runs
+    for record in records:
+        gripper = record.frames["actions"][:, 7]
+        for segment in record.episode.segments:
+            phase, commands = record.phases[segment.start], set(gripper[segment.start : segment.end].tolist())
+            if phase == Phase.REACH:
+                assert commands == {1.0}, (record.seed, segment)
+            elif phase in (Phase.GRASP, Phase.LIFT):
+                assert commands == {0.0}, (record.seed, segment)
+            else:  # place: carried closed, then opened to let go
+                assert gripper[segment.start] == 0.0 and gripper[segment.end - 1] == 1.0, (
+                    record.seed,
+                    segment,
+                )
+
+
 @pytest.mark.parametrize("name", list_tasks())
 def test_same_seed_is_bit_identical(name):
     env_a, env_b = make_env(name), make_env(name)

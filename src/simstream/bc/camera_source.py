@@ -125,7 +125,7 @@ class CameraEpisodeSource:
             for camera in cameras:
                 buffers[image_key(camera)][t] = env.scene.render(camera, self._size)
             buffers["actions"][t] = action
-            phases.append(self.expert.phase)
+            phases.append(self.expert.acting_phase)
             if rng is not None:  # executed, not recorded: the stream keeps the expert's own command
                 action = action.copy()
                 action[:NUM_JOINTS] += rng.normal(0.0, noise, NUM_JOINTS).astype(np.float32)

@@ -39,18 +39,23 @@ class ScriptedExpert:
 
     Owns the state machine (``phase``, stage, timers) and the commanded pose; stateless between
     episodes after :meth:`reset`. Deterministic: the same physics gives the same actions.
+
+    ``acting_phase`` is the phase whose rule computed the last action: label a frame with it, not with
+    ``phase``, which an :meth:`act` that ends a phase has already moved on (its action still belongs to
+    the phase it ended).
     """
 
     def __init__(self, env: TaskEnv) -> None:
         self.env = env
         self.scene = env.scene
         self.ik = DampedLeastSquaresIK(self.scene.model)
-        self.phase = Phase.REACH
+        self.phase = self.acting_phase = Phase.REACH
 
     def reset(self) -> None:
         """Start a new episode from the current (just reset) state of the env."""
         mat = self.scene.tcp_mat()
         self.phase, self.stage, self.timer = Phase.REACH, 0, 0
+        self.acting_phase = Phase.REACH
         self.pos_cmd = self.scene.tcp_pos()
         self.yaw_cmd = math.atan2(mat[1, 0], mat[0, 0])
         self.q_cmd = self.scene.arm_q()
@@ -91,6 +96,7 @@ class ScriptedExpert:
         carrying = self.phase in (Phase.LIFT, Phase.PLACE) and self.stage < 2
         if carrying and float(np.linalg.norm(cube - self.scene.tcp_pos())) > HELD_DISTANCE:
             self._goto(Phase.REACH)  # dropped it: start over
+        self.acting_phase = self.phase  # its rule below computes this step's action, even if it moves on
         if self.phase == Phase.REACH:
             return self._reach(cube)
         if self.phase == Phase.GRASP:

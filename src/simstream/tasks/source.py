@@ -86,7 +86,7 @@ def record_episode(
         for key, value in obs.items():
             buffers[_OBS_FIELDS[key]][t] = value
         buffers["actions"][t] = action
-        phases.append(expert.phase)
+        phases.append(expert.acting_phase)
         obs, reward, success, truncated, _ = env.step(action)
         buffers["rewards"][t] = reward
         if success or truncated:
