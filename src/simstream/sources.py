@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ._seeding import derived_seed
+
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
@@ -364,8 +366,6 @@ class MixSource:
     """Draws the source of each window, builds sources on first use, stamps ``source_index``."""
 
     def __init__(self, spec: MixSpec, worker_index: int, seed: int) -> None:
-        import numpy as np
-
         self.spec = spec
         self.worker_index = worker_index
         self.seed = seed
@@ -392,11 +392,7 @@ class MixSource:
             self.draws[k] += 1
         spec = self.spec.specs[k]
         if k not in self.sources:
-            import numpy as np
-
-            child_seed = int(
-                np.random.SeedSequence([self.seed, k]).generate_state(1, dtype=np.uint64)[0] >> 1
-            )
+            child_seed = derived_seed(self.seed, k)
             self.sources[k] = spec.build(self.worker_index, child_seed)
         steps = spec.max_episode_steps
         payload = rows.exclude(SOURCE_INDEX)[:, :steps]

@@ -12,8 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from .._seeding import derived_seed
 from ..sources import Episode, validate_episodes
 
 __all__ = ["GeneratedWindow", "derive_worker_seed", "generate_window", "window_starts"]
@@ -28,8 +27,9 @@ def derive_worker_seed(seed: int, worker_index: int, incarnation: int = 0) -> in
     so it does not replay the episodes its predecessor already published. Incarnation 0 keeps the seed
     local producers have always used.
     """
-    entropy = [seed, worker_index] if incarnation == 0 else [seed, worker_index, incarnation]
-    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
+    if incarnation == 0:
+        return derived_seed(seed, worker_index)
+    return derived_seed(seed, worker_index, incarnation)
 
 
 def window_starts(row_start: int, row_end: int, num_envs: int) -> list[int]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .._seeding import derived_seed
 from ..sources import Episode, Segment
 from .base import Phase
 from .env import TaskEnv
@@ -41,8 +42,7 @@ class ExpertEpisode:
 def episode_seed(seed: int, worker_index: int, counter: int) -> int:
     """The reset seed of a worker's ``counter``-th episode: a hash of the three, so that workers and
     windows (retries included) get different episodes while a rerun reproduces them."""
-    words = [seed % 2**64, worker_index % 2**64, counter % 2**64]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0])
+    return derived_seed(seed, worker_index, counter, bits=64)
 
 
 def _segments(env: TaskEnv, phases: Sequence[Phase]) -> list[Segment]:
