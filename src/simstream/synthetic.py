@@ -23,6 +23,10 @@ __all__ = ["SyntheticSpec"]
 _COLOURS = ("red", "green", "blue", "yellow")
 
 
+_STOP_POLL_S = 0.01
+"""Longest burn between two looks at ``should_stop``."""
+
+
 @dataclass(frozen=True)
 class SyntheticSpec:
     """Picklable spec of the synthetic source (field layout of the reference streaming workload)."""
@@ -50,10 +54,11 @@ class SyntheticSpec:
                 f"SyntheticSpec.min_length must be <= max_episode_steps ({self.max_episode_steps}), "
                 f"got {self.min_length}"
             )
+        for name in ("qpos_dim", "action_dim"):  # both are slices of the state's walk
+            require_int("SyntheticSpec", name, getattr(self, name), 1, self.state_dim)
         require_int("SyntheticSpec", "num_segments", self.num_segments, 1, self.min_length)
         if self.image_size is not None:
             require_int("SyntheticSpec", "image_size", self.image_size, 1, 4096)
-        # a bound, not inf: the burn loop between frames does not poll should_stop
         require_number("SyntheticSpec", "work_us_per_step", self.work_us_per_step, 0, 1e6)
 
     def fields(self) -> Mapping[str, Field]:
@@ -100,18 +105,27 @@ class SyntheticSource:
                 Segment(int(lo), int(hi), f"phase {k} with the {colour} block")
                 for k, (lo, hi) in enumerate(itertools.pairwise(cuts))
             ]
-            self._burn(length)
+            if not self._burn(length, should_stop):
+                return None
             episodes.append(
                 Episode(length, instruction=f"move the {colour} block", segments=segments, terminated=True)
             )
         return episodes
 
-    def _burn(self, frames: int) -> None:
+    def _burn(self, frames: int, should_stop) -> bool:
+        """Spend ``frames * work_us_per_step`` of CPU, looking at ``should_stop`` every 10 ms; ``False``
+        when it asked to stop (a slow simulator must still let ``stop()`` end its rollout)."""
         if self.spec.work_us_per_step <= 0:
-            return
-        deadline = time.perf_counter() + frames * self.spec.work_us_per_step * 1e-6
-        while time.perf_counter() < deadline:
-            pass
+            return True
+        now = time.perf_counter()
+        deadline = now + frames * self.spec.work_us_per_step * 1e-6
+        while now < deadline:
+            look = min(deadline, now + _STOP_POLL_S)
+            while now < look:
+                now = time.perf_counter()
+            if should_stop():
+                return False
+        return True
 
     def close(self) -> None:
         pass

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from simstream.bc.report import PLOTS
 from simstream.cli.main import main as simstream
@@ -307,6 +308,8 @@ def test_inspect_rejects_a_bad_option_with_exit_code_2(args, message, capsys):
             "SyntheticSpec.work_us_per_step must be a number in [0, 1e6], got inf",
         ),
         ({"work_us_per_step": -1}, "SyntheticSpec.work_us_per_step must be a number in [0, 1e6], got -1"),
+        ({"state_dim": 4}, "SyntheticSpec.qpos_dim must be an int in [1, 4], got 14"),
+        ({"action_dim": 65}, "SyntheticSpec.action_dim must be an int in [1, 64], got 65"),
     ],
 )
 def test_synthetic_spec_names_a_bad_setting(kwargs, message):
@@ -315,6 +318,28 @@ def test_synthetic_spec_names_a_bad_setting(kwargs, message):
     with pytest.raises(ValueError) as raised:
         SyntheticSpec(**kwargs)
     assert str(raised.value) == message
+
+
+def test_a_slow_synthetic_rollout_still_stops_when_asked():
+    """Its burnt CPU (here a second per frame) looks at should_stop between slices of 10 ms."""
+    from tensordict import TensorDict
+
+    from simstream.synthetic import SyntheticSpec
+
+    spec = SyntheticSpec(num_envs=1, max_episode_steps=4, min_length=4, num_segments=1, work_us_per_step=1e6)
+    rows = TensorDict(
+        {name.split("/")[0]: {} for name in spec.fields() if "/" in name}, batch_size=[1, 4]
+    )  # fmt: skip
+    for name, field in spec.fields().items():
+        rows[tuple(name.split("/"))] = torch.zeros((1, 4, *field.shape), dtype=field.dtype)
+    looks = []
+
+    def should_stop() -> bool:  # false before the row, true from the first look during its burn
+        looks.append(1)
+        return len(looks) > 1
+
+    assert spec.build(0, 0).rollout(rows, attempt=0, should_stop=should_stop) is None
+    assert len(looks) == 2
 
 
 def test_eval_refuses_a_json_out_folder_before_evaluating(tmp_path, capsys):
