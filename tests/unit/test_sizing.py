@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -201,3 +203,22 @@ def test_the_node_id_area_is_counted_with_the_producer_progress():
     one, three = regions(1), regions(3)
     assert one["record gate"].nbytes == 4096 and one["record gate"].field == "buffer_size"
     assert three["producer progress"].nbytes >= 8 * (128 + 16 * 3) + 64 * 3
+
+
+def test_building_the_storage_takes_its_size_in_memory_not_twice_that():
+    """Each key is allocated shared and filled in place; filling private memory first and then sharing it
+    copied the whole buffer, so a buffer over half the machine's memory could not be built."""
+    script = (
+        "import resource\n"
+        "from simstream import Field\n"
+        "from simstream.buffer.storage import TrajectoryStorage\n"
+        "from simstream.config import SourceLayout\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "layout = SourceLayout(1, 1000, {'obs': Field((256,))})\n"
+        "storage = TrajectoryStorage(layout, 256, include_provenance=False)\n"
+        "size = TrajectoryStorage.shared_bytes(layout, 256, False)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024 / size)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 1.3  # about 1.0 (the buffer's own pages); 2.0 with the private copy

@@ -65,10 +65,12 @@ class TrajectoryStorage:
         frames = buffer_size * self.max_steps
         self.flat: dict[tuple[str, ...], torch.Tensor] = {}
         for spec in self.specs:
-            tensor = torch.empty((frames + 1, *spec.frame_shape), dtype=spec.dtype)
+            # shared first, then filled in place: filling a private tensor and sharing it copies it, and
+            # the buffer would briefly take twice its size in memory
+            tensor = torch.empty((frames + 1, *spec.frame_shape), dtype=spec.dtype).share_memory_()
             tensor[:frames].fill_(spec.unwritten)
             tensor[frames].fill_(spec.padding)
-            self.flat[spec.path] = tensor.share_memory_()
+            self.flat[spec.path] = tensor
         self._metadata_views: dict[str, torch.Tensor] = {}
         self._metadata_arrays: dict[str, np.ndarray] = {}
         self._payload_tails: list[tuple[np.ndarray | torch.Tensor, float | int]] | None = None
