@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simstream import Episode
 from simstream.buffer import quota as quota_module
 from simstream.buffer.quota import EpisodeQuota
 
@@ -301,3 +302,21 @@ def test_debits_and_publications_are_visible_across_processes(method):
 def test_draw_rows_rejects_out_of_range_candidates(candidates):
     with pytest.raises(ValueError, match=r"^EpisodeQuota\.draw_rows candidate_rows must lie in \[0, 4\)$"):
         _published().draw_rows(candidates, 1)
+
+
+def test_the_largest_budgets_neither_wrap_the_sums_nor_refuse_a_batch():
+    """A budget of 2**63 - 1 (the config allows it) on two rows: their summed quota exceeds int64, which
+    made every quota-checked batch fail with a negative remaining count."""
+    from tests.support.harness import Harness
+
+    big = 2**63 - 1
+    quota = EpisodeQuota(2, big, big, run_id=0, ctx=FORK)
+    harness = Harness(rows=2, steps=8, quota=quota)
+    harness.publish(0, Episode(length=8))
+    harness.publish(1, Episode(length=8))
+    quota.publish(torch.tensor([0, 1]), torch.tensor([0, 1]), generation=1)
+    assert quota.unlocked_remaining(torch.ones(2, dtype=torch.bool)) == 2 * big
+    assert sorted(set(quota.draw_rows(torch.tensor([0, 1]), 4).tolist())) <= [0, 1]
+    batch = harness.sampler.sample_chunks(4, 2, "episode", None)
+    assert batch["valid"].all()
+    assert quota.unlocked_remaining(torch.ones(2, dtype=torch.bool)) == 2 * big - 4

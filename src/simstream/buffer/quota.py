@@ -199,10 +199,10 @@ class EpisodeQuota:
         residual = self.remaining(rows).clamp(min=0)
         keep = residual > 0
         rows, residual = rows[keep], residual[keep]
-        if int(residual.sum()) < batch_size:
+        if int(residual.clamp(max=batch_size).sum()) < batch_size:  # capped: a sum that cannot wrap
             raise ValueError(
                 f"EpisodeQuota.draw_rows batch_size={batch_size} exceeds the candidates' remaining "
-                f"quota {int(residual.sum())}"
+                f"quota {sum(residual.tolist())}"
             )
         chosen: list[torch.Tensor] = []
         missing = batch_size
@@ -267,7 +267,7 @@ class EpisodeQuota:
         """Sum of :meth:`remaining` over published rows where ``eligible_rows_mask`` ([num_rows]) is set."""
         mask = eligible_rows_mask.to(device="cpu", dtype=torch.bool).reshape(self.num_rows)
         mask = mask & (self._rows[:, _EPISODE] >= 0)
-        return int(self.remaining(mask.nonzero().flatten()).sum())
+        return sum(self.remaining(mask.nonzero().flatten()).tolist())  # Python ints: huge budgets cannot wrap
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the quota table and meta counters (take :attr:`lock` for a consistent copy)."""

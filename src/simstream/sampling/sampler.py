@@ -278,7 +278,9 @@ class WindowSampler:
                 candidates = candidate_rows(self.index, chunk, mode, filter_tensor)
                 if candidates.numel() == 0:
                     raise DataUnavailableError(unavailable)
-                remaining = int(quota.remaining(candidates).sum())
+                # each row capped at the batch: huge budgets summed over many rows would wrap int64, and
+                # under the batch size the capped sum is the exact one the message reports
+                remaining = int(quota.remaining(candidates).clamp(0, batch_size).sum())
                 if remaining < batch_size:
                     raise DataBudgetExhaustedError(
                         "Eligible unlocked episode quotas cannot supply a complete batch of "
