@@ -4,6 +4,7 @@ windows after it, while the windows before it are published as one by one would 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from simstream import Episode, OnlineDataEngine, Segment
-from simstream.engine.publisher import WindowPublisher
+from simstream.engine.publisher import Closing, WindowPublisher
 from simstream.engine.window import GeneratedWindow
 from tests.support.engines import make_cfg
 from tests.support.sources import ScriptedSpec
@@ -174,6 +175,74 @@ def test_a_failure_in_the_first_window_leaves_none_of_the_windows_visible():
     records = shared.events.drain()
     assert [(r["kind"], r["slot"]) for r in records] == [("evicted", row) for row in range(ROWS)]
     assert shared.events.state_dict()["reserved"] == 0
+
+
+def _hold_the_log_lock(engine):
+    """A thread that holds the lifecycle log's lock (as a drain in the owner does) until released."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with engine._shared.events._lock.held(None):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(30)
+    return thread, release
+
+
+def test_closing_while_a_publication_waits_for_the_log_leaves_the_window_unpublished_not_unlogged():
+    """The publication takes the log's lock before its rows become visible: closing during that wait
+    leaves the window claimed and invisible, with its evictions logged. Before, the rows became visible
+    and their ``published`` records were lost."""
+    engine = _engine()
+    _publish(engine, _windows(1), 1, together=True)
+    engine._shared.events.drain()
+    closing = [False]
+    publisher = WindowPublisher(engine._shared, 0, lambda: closing[0])
+    assert publisher.begin(0, NUM_ENVS)
+    _fill_payload(engine, 0, NUM_ENVS)
+    thread, release = _hold_the_log_lock(engine)
+    try:
+        closing[0] = True
+        with pytest.raises(Closing):
+            publisher.finish(0, NUM_ENVS, _windows(2)[:1], 2)
+        publisher.abandon()
+    finally:
+        release.set()
+        thread.join(30)
+    index = engine._shared.index
+    assert index.episode_id[:NUM_ENVS].tolist() == [-1, -1] and bool(
+        (index.version[:NUM_ENVS] % 2 == 1).all()
+    )
+    records = [(r["kind"], r["slot"], r["episode_id"]) for r in engine._shared.events.drain()]
+    assert records == [("evicted", 0, 0), ("evicted", 1, 1)]  # claimed, so evicted; never published
+
+
+def test_a_claim_abandoned_on_closing_logs_no_eviction():
+    """Evictions are logged once the claim succeeded: a claim that waits for a recorder and is abandoned
+    evicts nothing, and the log says nothing about it."""
+    engine = _engine()
+    _publish(engine, _windows(1), 1, together=True)
+    engine._shared.events.drain()
+    closing = [False]
+    publisher = WindowPublisher(engine._shared, 0, lambda: closing[0])
+    gate = engine._shared.record_gate
+    gate.attach("wait")  # a recorder that copied nothing: the claim waits for it
+    original = gate.before_claim
+
+    def before_claim(start, end, episode_id, check=None):
+        closing[0] = True  # the engine closes while the claim waits
+        return original(start, end, episode_id, check)
+
+    gate.before_claim = before_claim
+    with pytest.raises(Closing):
+        publisher.begin(0, NUM_ENVS)
+    publisher.abandon()
+    assert engine._shared.index.episode_id[:NUM_ENVS].tolist() == [0, 1]  # still published
+    assert engine._shared.events.drain() == []
+    assert engine._shared.events.free_slots() == engine._shared.events.capacity  # reservation given back
 
 
 def test_windows_must_be_whole():

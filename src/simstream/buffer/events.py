@@ -9,9 +9,11 @@ rings for producers waiting for space, so appending and draining never touch the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,16 +84,19 @@ class LifecycleEventLog:
         self._raw_table, self._table = _shared_tensor(ctx, torch.int64, (capacity, len(_FIELDS)))
         self._raw_masks, self._masks = _shared_tensor(ctx, torch.bool, (capacity, 2, max_steps))
         self._numpy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._holding = threading.local()
+        """``active`` while this thread holds the log's lock through :meth:`holding`."""
 
     # Tensor views are rebuilt from the raw arrays, which pickle only while a child is being created.
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_cursor", "_table", "_masks", "_numpy"):
+        for name in ("_cursor", "_table", "_masks", "_numpy", "_holding"):
             del state[name]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._holding = threading.local()
         self._cursor = _view(self._raw_cursor, torch.int64, (3,))
         self._table = _view(self._raw_table, torch.int64, (self.capacity, len(_FIELDS)))
         self._masks = _view(self._raw_masks, torch.bool, (self.capacity, 2, self.max_steps))
@@ -103,6 +108,18 @@ class LifecycleEventLog:
         if self._numpy is None:
             self._numpy = (self._cursor.numpy(), self._table.numpy(), self._masks.numpy())
         return self._numpy
+
+    @contextlib.contextmanager
+    def holding(self, check: Callable[[], None] | None) -> Iterator[None]:
+        """Hold the log's lock for a block (waiting for it with ``check``); appends in the block take it
+        without waiting. A producer holds it across a publication: what can wait (and be abandoned when the
+        engine closes) is over before its rows become visible, so their records are never lost."""
+        with self._lock.held(check):
+            self._holding.active = True
+            try:
+                yield
+            finally:
+                self._holding.active = False
 
     def pending(self) -> int:
         """Number of records appended and not drained yet."""
@@ -204,7 +221,8 @@ class LifecycleEventLog:
         """Appends encoded records (``rows`` in table layout, sequence column unset) all or none."""
         count = len(rows)
         cursor, table, masks = self._arrays()
-        with self._lock.held(check):
+        held = getattr(self._holding, "active", False)
+        with contextlib.nullcontext() if held else self._lock.held(check):
             first = int(cursor[0])
             if reserved:
                 if int(cursor[2]) < count:

@@ -9,6 +9,7 @@ window is the case of one; both are the single writer of their producer's rows a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,8 +39,8 @@ class WindowPublisher:
 
     Owns the producer's lifecycle-log reservation between :meth:`begin` and :meth:`finish` (given back by
     :meth:`abandon` when the windows are not published), and the ``evicted`` records of all windows but
-    the first, which are appended just before each window's ``published`` ones (the first window's when
-    it is claimed): the order of one-by-one publication.
+    the first, which are appended just before each window's ``published`` ones (the first window's once
+    its rows are claimed): the order of one-by-one publication.
 
     Args:
         shared: The engine's shared objects.
@@ -69,21 +70,31 @@ class WindowPublisher:
             raise Closing
 
     def begin(self, start: int, end: int, window_rows: int | None = None) -> bool:
-        """Reserve the windows' lifecycle records (logging the first window's evictions), then claim
-        their rows.
+        """Reserve the windows' lifecycle records, claim their rows, then log the first window's
+        evictions (the episodes the claim took out of the buffer).
 
         Args:
             start, end: The rows of the windows, ``window_rows`` each (default: one window).
 
         Returns:
             ``False`` when the engine closed while waiting for log space (nothing claimed).
+
+        Raises:
+            Closing: the engine closed while the claim waited (for a recorder, a lock); nothing was
+                claimed and no eviction logged (:meth:`abandon` gives the reservation back).
         """
         window_rows = window_rows or end - start
         if (end - start) % window_rows:
             raise ValueError(f"rows [{start}, {end}) are not whole windows of {window_rows} rows")
-        if self.shared.events is not None and not self._log_evictions(start, end, window_rows):
+        if self.shared.events is not None and not self._reserve_records(start, end, window_rows):
             return False
-        self.writer.claim(start, end, check=self._raise_if_closing)  # Closing: nothing claimed
+        try:
+            self.writer.claim(start, end, check=self._raise_if_closing)
+        except Closing:
+            self._pending_evictions = None  # nothing claimed: nothing was evicted
+            raise
+        if self._pending_evictions is not None:
+            self._log_first_evictions()
         return True
 
     def reset(self, start: int, end: int) -> None:
@@ -151,7 +162,10 @@ class WindowPublisher:
     def _publish(self, start: int, end: int, generation: int, window_rows: int) -> None:
         shared, progress = self.shared, self.shared.progress
         check = self._raise_if_closing
-        with shared.publish_lock.held(check):
+        # Every lock is taken before the rows become visible: a Closing raised while waiting leaves the
+        # windows unpublished, and once they are published their records go in without another wait.
+        log = shared.events.holding(check) if shared.events is not None else contextlib.nullcontext()
+        with shared.publish_lock.held(check), log:
             first_id = progress.allocate_episode_ids(end - start)
             if shared.quota is not None:
                 with shared.quota.lock.held(check):
@@ -179,27 +193,34 @@ class WindowPublisher:
         self.shared.events.append_columns(*columns, reserved=True, check=self._raise_if_closing)
         self._reserved_records -= count
 
-    def _log_evictions(self, start: int, end: int, window_rows: int) -> bool:
+    def _reserve_records(self, start: int, end: int, window_rows: int) -> bool:
+        """Reserve both kinds of records of the windows and note their evictions (read before the claim
+        clears the rows' episode ids); ``False`` when the engine closed first."""
         events, index = self.shared.events, self.shared.index
         published = np.flatnonzero(index.episode_id.numpy()[start:end] >= 0)
         # one reservation for both kinds: other workers cannot take the space between the appends
         if not events.reserve(end - start + len(published), self.closing):
             return False
         self._reserved_records = end - start + len(published)
-        if not len(published):
-            return True
-        rows = published + start
-        old_ids, old_generations = index.episode_id.numpy()[rows], index.generation.numpy()[rows]
-        evicted = self._columns(EVICTED, rows, old_ids, old_generations, time.monotonic_ns())
-        windows = published // window_rows
+        if len(published):
+            rows = published + start
+            old_ids, old_generations = index.episode_id.numpy()[rows], index.generation.numpy()[rows]
+            evicted = self._columns(EVICTED, rows, old_ids, old_generations, time.monotonic_ns())
+            self._pending_evictions = (evicted, published // window_rows)
+        return True
+
+    def _log_first_evictions(self) -> None:
+        """Append the first window's ``evicted`` records, now that its rows are claimed; the later
+        windows' stay pending until just before their ``published`` ones."""
+        evicted, windows = self._pending_evictions
         first = windows == 0
         if first.any():
-            events.append_columns(*(c[first] for c in evicted), reserved=True, check=self._raise_if_closing)
+            self.shared.events.append_columns(
+                *(c[first] for c in evicted), reserved=True, check=self._raise_if_closing
+            )
             self._reserved_records -= int(first.sum())
-        if not first.all():
-            later = ~first
-            self._pending_evictions = (tuple(c[later] for c in evicted), windows[later])
-        return True
+        later = ~first
+        self._pending_evictions = (tuple(c[later] for c in evicted), windows[later]) if later.any() else None
 
     def _columns(self, kind: int, rows: np.ndarray, episode_ids, generations, monotonic_ns: int) -> _Columns:
         """Lifecycle records of ``rows`` as :meth:`LifecycleEventLog.append_columns` takes them."""
