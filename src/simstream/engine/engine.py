@@ -21,7 +21,6 @@ from typing import Literal
 import torch
 from tensordict import TensorDict
 
-from .._bounded import held
 from .._memory_order import require_ordered_memory
 from .._sync import SharedFlag, SharedLock
 from ..buffer.gate import RecordGate
@@ -438,7 +437,7 @@ class OnlineDataEngine(EngineLifecycle):
         }
         quota = self._shared.quota
         if quota is not None:
-            with held(quota.lock, self._raise_if_failed):
+            with quota.lock.held(self._raise_if_failed):
                 status["unlocked_remaining_chunks"] = quota.unlocked_remaining(self._sampleable_rows())
                 status["total_delivered_chunks"] = quota.total_delivered()
         return status
@@ -458,7 +457,7 @@ class OnlineDataEngine(EngineLifecycle):
                 "clock_origin_monotonic_ns": None,
             }
         index = self._shared.index
-        with held(quota.lock, self._raise_if_failed):
+        with quota.lock.held(self._raise_if_failed):
             return {
                 "enabled": True,
                 "rows": quota.snapshot(~index.stable_rows()),

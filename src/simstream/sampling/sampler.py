@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .._bounded import held
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
@@ -270,7 +269,7 @@ class WindowSampler:
     def _sample_with_quota(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         quota = self.quota
         batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
-        with held(quota.lock, check_failed):
+        with quota.lock.held(check_failed):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
                 row_filter = self._rows_of(generations)
