@@ -301,10 +301,10 @@ class MixSpec:
                 f"MixSpec.weights must sum to a finite number > 0, got {list(weights)} (sum {total})"
             )
         for name in ("action_semantics", "action_contracts"):  # what the engine checks its config against
-            values = {repr(getattr(spec, name, None)) for spec in specs}
-            if len(values) > 1:
+            declared = {repr(getattr(spec, name)) for spec in specs if getattr(spec, name, None) is not None}
+            if len(declared) > 1:  # a source that declares none (a recorded dataset) agrees with any
                 raise ValueError(
-                    f"MixSpec.specs record different {name}: {sorted(values)}; every source must record "
+                    f"MixSpec.specs record different {name}: {sorted(declared)}; every source must record "
                     "its actions the same way"
                 )
         first = dict(specs[0].fields())
@@ -334,13 +334,16 @@ class MixSpec:
 
     @property
     def action_semantics(self) -> str | None:
-        """The sources' common ``action_semantics`` (``None`` when they declare none)."""
-        return getattr(self.specs[0], "action_semantics", None)
+        """The ``action_semantics`` the sources declare (``None`` when none does)."""
+        return self._declared("action_semantics")
 
     @property
     def action_contracts(self) -> tuple[str, ...] | None:
-        """The sources' common ``action_contracts`` (``None`` when they declare none)."""
-        return getattr(self.specs[0], "action_contracts", None)
+        """The ``action_contracts`` the sources declare (``None`` when none does)."""
+        return self._declared("action_contracts")
+
+    def _declared(self, name: str):
+        return next((v for v in (getattr(spec, name, None) for spec in self.specs) if v is not None), None)
 
     @property
     def max_episode_steps(self) -> int:

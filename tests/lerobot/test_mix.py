@@ -85,6 +85,9 @@ def test_the_sources_common_action_semantics_reach_the_engine_check():
     assert policy.action_contracts == ("joint_position_delta",)
     plain = MixSpec((PatternSpec(),), (1,))
     assert plain.action_semantics is None and plain.action_contracts is None
+    # a source that declares nothing (a recorded dataset) mixes with one that does, which decides
+    mixed = MixSpec((PatternSpec(), PolicyPatternSpec()), (1, 1))
+    assert mixed.action_semantics == "policy_request" and mixed.action_contracts == ("joint_position_delta",)
     message = "action_semantics is 'expert_controller_command' but the source records 'policy_request'"
     with pytest.raises(ValueError, match=message):
         OnlineDataEngineCfg(source=policy, buffer_size=4).validate()
@@ -138,9 +141,9 @@ def test_numpy_weights_are_numbers_like_any_other():
             r"max_episode_steps\); str lacks \['fields', 'build', 'num_envs', 'max_episode_steps'\]",
         ),
         (
-            (PatternSpec(), PolicyPatternSpec()),
+            (PolicyPatternSpec(), dataclasses.replace(PolicyPatternSpec(), action_semantics="other")),
             (1, 1),
-            r"MixSpec.specs record different action_semantics: \[\"'policy_request'\", 'None'\]",
+            r"MixSpec.specs record different action_semantics: \[\"'other'\", \"'policy_request'\"\]",
         ),
         (
             (PatternSpec(), PatternSpec(image_size=16)),
