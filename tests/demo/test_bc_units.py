@@ -470,6 +470,12 @@ def test_noisy_producers_get_more_attempts_per_window():
     assert engine_config(vision).refill_threshold == 0 and vision.idle_threads == 0  # streams continuously
 
 
+def test_cameras_given_as_a_list_are_taken_as_a_tuple():
+    assert DemoConfig(cameras=["front", "wrist"]).cameras == ("front", "wrist")
+    with pytest.raises(ValueError, match=r"DemoConfig.cameras must be one or more distinct cameras"):
+        DemoConfig(cameras=["front", "front"])
+
+
 # ---------------------------------------------------------------------------------------- weight average
 def test_weight_average_copies_first_then_blends_with_a_warm_up():
     """The first update copies; the n-th after it blends with ``min(decay, (1 + n) / (10 + n))``, buffers

@@ -119,3 +119,34 @@ def test_run_record_reports_what_it_recorded_and_how_long_producers_waited(tmp_p
     assert result["skipped"] == 0 and result["filtered"] == 0
     # two rows for one producer: its claims wait for the recorder's copies, and that time is counted
     assert isinstance(result["producer_wait_s"], float) and result["producer_wait_s"] >= 0.0
+
+
+def test_demo_refuses_datasets_that_do_not_fit_before_making_a_run_folder(tmp_path, capsys):
+    """A replayed dataset of another task, a recording target with other features, recording into the
+    replayed dataset, and a run folder that already holds a run: each exits 2 naming the setting."""
+    stack = tmp_path / "stack"
+    args = ["record", "--task", "stack", "--episodes", "1", "--out", str(stack), "--num-workers", "1"]
+    assert simstream([*args, "--buffer-size", "1", "--image-size", "32", "--no-video"]) == 0
+    capsys.readouterr()
+    runs = tmp_path / "runs"
+
+    def refused(*options: str) -> str:
+        assert simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs), *options]) == 2
+        assert not runs.exists()
+        return " ".join(capsys.readouterr().err.split())
+
+    message = refused("--dataset", str(stack))
+    assert f"DemoConfig.dataset: {stack} holds episodes that task 'pick_place' never produces" in message
+    assert message.endswith("; pass --task stack")
+    message = refused("--record", str(stack))
+    assert f"{stack}/meta/info.json: features" in message and "do not match the recording's" in message
+    message = refused("--task", "stack", "--dataset", str(stack), "--record", str(stack))
+    assert "DemoConfig.record must not be the dataset the demo replays" in message
+    (runs / "taken").mkdir(parents=True)
+    (runs / "taken" / "report.md").write_text("an earlier run")
+    assert simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs), "--name", "taken"]) == 2
+    assert f"DemoConfig.name: {str(runs / 'taken')!r} already holds a run" in capsys.readouterr().err
+    runs_file = tmp_path / "runs.txt"
+    runs_file.write_text("not a folder")
+    assert simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs_file)]) == 2
+    assert f"DemoConfig.runs_dir must be a folder, got the file {str(runs_file)!r}" in capsys.readouterr().err

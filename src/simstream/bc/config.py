@@ -160,6 +160,15 @@ class DemoConfig:
                 f"DemoConfig.record must be a dataset folder (new or to append to), got the file "
                 f"{str(self.record)!r}"
             )
+        if (
+            self.record is not None
+            and self.dataset is not None
+            and Path(self.record).resolve() == Path(self.dataset).resolve()
+        ):
+            raise ValueError(
+                f"DemoConfig.record must not be the dataset the demo replays ({str(self.dataset)!r}): the "
+                "replayed episodes would be appended to it again and again; record into another folder"
+            )
         for name in ("history", "horizon"):  # a context spans history + horizon - 1 frames of one row
             require_int("DemoConfig", name, getattr(self, name), 1, self.max_episode_steps)
         for name in ("refill_threshold", "eval_episodes_during"):
@@ -218,6 +227,8 @@ class DemoConfig:
         from simstream.tasks import CAMERAS
 
         cameras = self.cameras
+        if isinstance(cameras, list):  # as VisionPolicyConfig takes them
+            object.__setattr__(self, "cameras", cameras := tuple(cameras))
         require(
             isinstance(cameras, tuple) and bool(cameras) and set(cameras) <= set(CAMERAS)
             and len(set(cameras)) == len(cameras),

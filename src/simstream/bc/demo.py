@@ -27,7 +27,7 @@ from .config import DemoConfig
 from .data import InstructionTable
 from .evaluate import EvalResult, eval_seeds, evaluate_policy
 from .policy import ChunkPolicy
-from .recording import demo_recorder, demo_source
+from .recording import check_dataset_task, check_record_target, demo_recorder, demo_source
 from .report import write_plots, write_report, write_strips
 from .text import HashedTextEmbedding
 from .train import TrainingLog, fit_normalizer, train_policy
@@ -146,10 +146,29 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     """
     from simstream.engine.sizing import check_shared_memory
 
+    _check_run_folder(cfg)
     engine_cfg = engine_config(cfg)
     layout = engine_cfg.validate()
     check_shared_memory(engine_cfg, layout)
+    if cfg.dataset is not None:
+        check_dataset_task(engine_cfg.source, cfg.task)
+    if cfg.record is not None:
+        check_record_target(engine_cfg.source, cfg.record)
     return engine_cfg
+
+
+def _check_run_folder(cfg: DemoConfig) -> None:
+    """``runs_dir`` must be a folder, and a named run's folder new or empty: a second run in it would mix
+    its TensorBoard events and files with the first's."""
+    runs = Path(cfg.runs_dir)
+    if runs.exists() and not runs.is_dir():
+        raise ValueError(f"DemoConfig.runs_dir must be a folder, got the file {str(runs)!r}")
+    if cfg.name is not None:
+        run_dir = runs / cfg.name
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise ValueError(
+                f"DemoConfig.name: {str(run_dir)!r} already holds a run; choose another --name or remove it"
+            )
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -168,7 +187,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = Path(cfg.runs_dir) / name
     engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(exist_ok=cfg.name is not None)  # a timestamped name is new (checked empty otherwise)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     policy_config = cfg.policy_config

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TRAINING_FLUSH_EVERY", "demo_recorder", "demo_source"]
+__all__ = [
+    "TRAINING_FLUSH_EVERY",
+    "check_dataset_task",
+    "check_record_target",
+    "demo_recorder",
+    "demo_source",
+]
 
 TRAINING_FLUSH_EVERY = 8
 """Episodes per group of files when recording beside training (``demo --record``). Smaller than the
@@ -42,3 +48,45 @@ def demo_recorder(engine: Any, cfg: Any) -> Any:
     recorder = LeRobotRecorder(engine, cfg.record, flush_every=TRAINING_FLUSH_EVERY)
     print(f"recording the live stream into {recorder.root} (LeRobot v3.0)", flush=True)
     return recorder.start()
+
+
+def check_dataset_task(source: Any, task: str) -> None:
+    """A replayed dataset must hold episodes of ``task``: the demo evaluates and saves the policy as
+    ``task``'s, so training it on another task's episodes would go unnoticed.
+
+    Raises:
+        ValueError: naming the dataset, a text that ``task`` never produces, and the built-in task whose
+            texts the dataset's are, if any.
+    """
+    from simstream.lerobot.dataset import read_dataset_meta
+    from simstream.tasks import list_tasks, task_instructions
+
+    texts = set(read_dataset_meta(source.root).tasks)
+    foreign = sorted(texts - set(task_instructions(task)))
+    if not foreign:
+        return
+    matches = [name for name in list_tasks() if texts <= set(task_instructions(name))]
+    hint = f"; pass --task {matches[0]}" if matches else ""
+    raise ValueError(
+        f"DemoConfig.dataset: {source.root} holds episodes that task {task!r} never produces, e.g. "
+        f"{foreign[0]!r}{hint}"
+    )
+
+
+def check_record_target(source: Any, root: Any) -> None:
+    """An existing dataset at ``root`` must take the demo's episodes (same features, fps, column kinds),
+    checked before the run starts; a new folder needs nothing.
+
+    Raises:
+        ValueError: naming the dataset file and what does not match.
+    """
+    from pathlib import Path
+
+    from simstream.lerobot.format import features_from_fields
+    from simstream.lerobot.names import KeyMap
+    from simstream.lerobot.writer import DatasetWriter
+
+    if not (Path(root) / "meta" / "info.json").exists():
+        return
+    features = features_from_fields(dict(source.fields()), KeyMap(None), True)
+    DatasetWriter(root, features, source.fps)  # repairs an interrupted dataset, as the recorder would
