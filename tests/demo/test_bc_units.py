@@ -347,6 +347,32 @@ def test_a_checkpoint_from_before_the_gripper_threshold_gets_it_and_a_newer_roll
         load_checkpoint(path)
 
 
+def test_numpy_values_and_paths_are_saved_as_plain_values_and_objects_are_refused(tmp_path):
+    """What load_checkpoint's weights-only reading accepts: a NumPy number (a numpy.float64 is a float,
+    yet it pickled as NumPy's) or a path used to make a checkpoint that loaded as "not a checkpoint"."""
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    rollout = RolloutConfig(ensemble_decay=np.float64(0.1), gripper_threshold=np.float32(0.5))
+    info = {
+        "steps": np.int64(3),
+        "rate": np.float64(0.25),
+        "run": tmp_path / "run",
+        "seeds": (1, np.int32(2)),
+    }
+    path = save_checkpoint(
+        tmp_path / "c.pt", PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", rollout, info)
+    )
+    loaded = load_checkpoint(path)
+    assert loaded.info == {"steps": 3, "rate": 0.25, "run": str(tmp_path / "run"), "seeds": (1, 2)}
+    assert type(loaded.info["rate"]) is float and type(loaded.info["steps"]) is int
+    assert loaded.rollout.ensemble_decay == 0.1 and loaded.rollout.gripper_threshold == 0.5
+    odd = PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", RolloutConfig(), {"when": object()})
+    with pytest.raises(
+        ValueError, match=r"PolicyCheckpoint.info\['when'\] holds a builtins.object; a checkpoint"
+    ):
+        save_checkpoint(tmp_path / "odd.pt", odd)
+    assert not (tmp_path / "odd.pt").exists()
+
+
 def test_load_checkpoint_rejects_other_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
@@ -367,6 +393,10 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path)
             lambda p: p["text_embedding"].update(dim=16),
             ": the text embedding has dim 16, the policy reads text_dim 8",
         ),
+        (lambda p: p.update(text_embedding={}), ": its text_embedding is invalid: KeyError('dim')"),
+        (lambda p: p.update(state_dict=[]), ": its state_dict is not a policy's weights: TypeError("),
+        (lambda p: p.update(rollout=None), ": its rollout is invalid: not a mapping of field names"),
+        (lambda p: p.update(policy_config=[1]), ": its policy_config is invalid: not a mapping of field"),
     ]:
         payload = torch.load(path, weights_only=True)
         damage(payload)

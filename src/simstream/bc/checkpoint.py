@@ -40,12 +40,12 @@ def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
     payload = {
         "format": FORMAT,
         "policy_kind": "vision" if isinstance(checkpoint.policy, VisionPolicy) else "state",
-        "policy_config": dataclasses.asdict(checkpoint.policy.config),
+        "policy_config": _plain(dataclasses.asdict(checkpoint.policy.config), "policy.config"),
         "state_dict": {key: value.cpu() for key, value in checkpoint.policy.state_dict().items()},
         "text_embedding": checkpoint.embedding.state_dict(),
         "task": checkpoint.task,
-        "rollout": dataclasses.asdict(checkpoint.rollout),
-        "info": checkpoint.info,
+        "rollout": _plain(dataclasses.asdict(checkpoint.rollout), "rollout"),
+        "info": _plain(checkpoint.info, "info"),
     }
     torch.save(payload, path)
     return path
@@ -80,8 +80,13 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         policy.load_state_dict(payload["state_dict"])
     except RuntimeError as error:  # missing, unexpected or misshapen weights
         raise ValueError(f"{str(path)!r}: its weights do not fit its policy_config: {error}") from error
+    except (KeyError, TypeError, AttributeError) as error:  # not a mapping of tensors at all
+        raise ValueError(f"{str(path)!r}: its state_dict is not a policy's weights: {error!r}") from error
     policy.eval()
-    embedding = HashedTextEmbedding.from_state_dict(payload["text_embedding"])
+    try:
+        embedding = HashedTextEmbedding.from_state_dict(payload["text_embedding"])
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{str(path)!r}: its text_embedding is invalid: {error!r}") from error
     _check_embedding(path, embedding, config.text_dim)
     return PolicyCheckpoint(
         policy=policy,
@@ -106,6 +111,8 @@ def _check_embedding(path: Path, embedding: HashedTextEmbedding, text_dim: int) 
 
 def _config(path: Path, key: str, cls: type, fields: dict[str, Any]) -> Any:
     """``cls(**fields)``: fields added later take their defaults; a field this version lacks is an error."""
+    if not isinstance(fields, dict) or not all(isinstance(name, str) for name in fields):
+        raise ValueError(f"{str(path)!r}: its {key} is invalid: not a mapping of field names")
     try:
         return cls(**fields)
     except TypeError as error:
@@ -115,3 +122,27 @@ def _config(path: Path, key: str, cls: type, fields: dict[str, Any]) -> Any:
         ) from error
     except ValueError as error:
         raise ValueError(f"{str(path)!r}: its {key} is invalid: {error}") from error
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` with NumPy scalars as Python numbers and paths as strings: what ``load_checkpoint``'s
+    ``weights_only`` reading accepts. Anything else that is not a plain value is refused here, when saving,
+    instead of making a file that loads as "not a simstream policy checkpoint".
+
+    Raises:
+        ValueError: naming where the value sits and its type.
+    """
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()  # before the checks below: numpy.float64 is a float, yet pickles as NumPy's
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item, f"{where}[{k}]") for k, item in enumerate(value))
+    if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+        return {name: _plain(item, f"{where}[{name!r}]") for name, item in value.items()}
+    raise ValueError(
+        f"PolicyCheckpoint.{where} holds a {type(value).__module__}.{type(value).__qualname__}; a checkpoint "
+        "stores only numbers, strings, paths, lists, tuples, tensors and dicts with string keys"
+    )
