@@ -127,11 +127,24 @@ def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, 
             ["--gripper-threshold", "0.4", "--continuous-gripper"],
             "EvalArgs.continuous_gripper must be False when gripper_threshold is given (they contradict)",
         ),
+        (["--ensemble-decay", "-1"], "EvalArgs.ensemble_decay must be None or a finite number >= 0, got -1"),
+        (["--video", "v.mp4", "--image-size", "33"], "EvalArgs.image_size must be even for an .mp4 video"),
+        (["--video", "{file}/v.gif"], "EvalArgs.video cannot be written: '{file}' is a file, not a folder"),
+        (["--json-out", "{file}/r.json"], "EvalArgs.json_out cannot be written: '{file}' is a file"),
     ],
 )
 def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    options = [option.replace("{file}", str(blocker)) for option in options]
     assert simstream(["eval", str(tmp_path / "checkpoint.pt"), *options]) == 2
-    assert message in _one_line(capsys.readouterr().err)
+    assert message.replace("{file}", str(blocker)) in _one_line(capsys.readouterr().err)
+
+
+def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, capsys):
+    argv = ["eval", str(quick_run / "checkpoint.pt"), "--episodes", "1", "--execute-steps", "100"]
+    assert simstream(argv) == 2
+    assert "EvalArgs.execute_steps must be <= the policy's horizon" in _one_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(

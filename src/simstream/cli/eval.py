@@ -74,10 +74,31 @@ class EvalArgs:
             self.continuous_gripper,
         )  # fmt: skip
         require_int("EvalArgs", "seed_offset", self.seed_offset, 0)
+        require_number("EvalArgs", "ensemble_decay", self.ensemble_decay, 0, optional=True)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
-        if self.json_out is not None and Path(self.json_out).is_dir():  # known now, not after the episodes
-            raise ValueError(f"EvalArgs.json_out must be a file path, got the folder {str(self.json_out)!r}")
+        if self.video is not None and self.video.suffix.lower() == ".mp4" and self.image_size % 2:
+            raise ValueError(  # libx264 encodes even frame sizes only
+                f"EvalArgs.image_size must be even for an .mp4 video, got {self.image_size}"
+            )
+        # known now, not after the episodes ran
+        for name in ("video", "json_out"):
+            _require_file_path(name, getattr(self, name))
+
+
+def _require_file_path(name: str, path: Path | None) -> None:
+    """``path`` can be written: not a folder, and no file stands where one of its folders would be."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"EvalArgs.{name} must be a file path, got the folder {str(path)!r}")
+    for parent in Path(path).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(
+                    f"EvalArgs.{name} cannot be written: {str(parent)!r} is a file, not a folder"
+                )
+            return
 
 
 def write_video(path: Path, episodes: list[list], fps: int) -> Path:
@@ -122,6 +143,11 @@ def run_eval(args: EvalArgs) -> dict:
         )
     if args.continuous_gripper or args.gripper_threshold is not None:
         rollout = dataclasses.replace(rollout, gripper_threshold=args.gripper_threshold)
+    horizon = checkpoint.policy.config.horizon
+    if rollout.ensemble_decay is None and rollout.execute_steps > horizon:
+        raise ValueError(  # a chunk holds only `horizon` actions
+            f"EvalArgs.execute_steps must be <= the policy's horizon {horizon}, got {rollout.execute_steps}"
+        )
     seeds = eval_seeds(args.episodes, offset=args.seed_offset)
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)
     began = time.monotonic()
