@@ -67,7 +67,11 @@ def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--episodes", "0"], "--episodes must be an int >= 1, got 0"),
+        (["--episodes", "0"], "RecordArgs.episodes must be an int >= 1, got 0"),
+        (["--num-workers", "0"], "RecordArgs.num_workers must be an int in [1, 256], got 0"),
+        (["--buffer-size", "0"], "RecordArgs.buffer_size must be an int >= 2, got 0"),
+        (["--max-episode-steps", "30"], "RecordArgs.max_episode_steps must be an int >= 100, got 30"),
+        (["--seed", "-1"], "RecordArgs.seed must be an int in [0, 9223372036854775807], got -1"),
         (["--key-map", "action"], "--key-map items must read LEROBOT_KEY=FIELD_NAME, got 'action'"),
         (
             ["--key-map", "observation.x=obs/nope"],

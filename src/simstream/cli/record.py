@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._validation import require_int
 from ._report import exit_code
 
 __all__ = ["PROGRESS_EVERY_S", "RecordArgs", "main", "refill_until", "run_record"]
@@ -33,7 +34,9 @@ class RecordArgs:
     num_workers: int = 2
     """Producer processes."""
     only_success: bool = False
-    """Leave out episodes that ended truncated (they are counted)."""
+    """Leave out episodes that ended truncated (they are counted). The engine publishes a built-in task's
+    window only when its expert succeeded, so with the built-in tasks every episode is kept either way;
+    the flag guards recordings whose episodes may end truncated."""
     no_video: bool = False
     """Store cameras as PNG images inside the parquet files (lossless) instead of AV1 video."""
     video_codec: Literal["h264", "av1"] = "h264"
@@ -49,6 +52,15 @@ class RecordArgs:
     """Row capacity at 20 Hz."""
     buffer_size: int | None = None
     """Episodes in the shared buffer; default ``8 * num_workers``."""
+
+    def __post_init__(self) -> None:
+        require_int("RecordArgs", "episodes", self.episodes, 1)
+        require_int("RecordArgs", "num_workers", self.num_workers, 1, 256)
+        if self.buffer_size is not None:
+            require_int("RecordArgs", "buffer_size", self.buffer_size, self.num_workers)
+        # the scripted experts take up to ~80 steps: shorter rows could never hold a success
+        require_int("RecordArgs", "max_episode_steps", self.max_episode_steps, 100)
+        require_int("RecordArgs", "seed", self.seed, 0, 2**63 - 1)
 
 
 PROGRESS_EVERY_S = 0.25
@@ -91,8 +103,6 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     from simstream.lerobot import KeyMap, LeRobotRecorder
     from simstream.tasks import make_source
 
-    if type(args.episodes) is not int or args.episodes < 1:
-        raise ValueError(f"--episodes must be an int >= 1, got {args.episodes!r}")
     out = Path(args.out)
     if out.exists() and (
         not out.is_dir() or (any(out.iterdir()) and not (out / "meta" / "info.json").exists())
@@ -104,7 +114,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     )
     cfg = OnlineDataEngineCfg(
         source=source,
-        buffer_size=args.buffer_size or 8 * args.num_workers,
+        buffer_size=8 * args.num_workers if args.buffer_size is None else args.buffer_size,
         num_workers=args.num_workers,
         refill_policy="manual",
         seed=args.seed,
