@@ -153,6 +153,10 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
         (["--seconds", "nan"], "StreamArgs.seconds must be a number in (0, 1e6], got nan"),
         (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),
+        (
+            ["--chunk-size", "500"],
+            "StreamArgs.chunk_size must be <= the source's max_episode_steps 100, got 500",
+        ),
         (["--task", "nosuch"], "nosuch"),
         (
             ["--ray-address", "auto"],

@@ -30,7 +30,9 @@ class EvalArgs:
     episodes: int = 50
     """Seeded evaluation episodes (the demo's final evaluation uses the same first seeds)."""
     seed_offset: int = 0
-    """Shift the evaluation seeds (``0``: the demo's seeds; anything else: episodes it never saw)."""
+    """Shift the evaluation seeds: episode ``k`` resets with seed ``1_000_000_007 + seed_offset + k``. ``0``
+    repeats the demo's final evaluation; an offset at or past its ``eval_episodes`` (50) gives episodes that
+    evaluation never ran (the checks during training use offsets from 10000)."""
     video: Path | None = None
     """Write rollouts of the first ``--video-episodes`` episodes to this ``.gif`` (or ``.mp4``, which needs
     the ``imageio-ffmpeg`` package): the front camera and, for a vision policy, the policy's own cameras

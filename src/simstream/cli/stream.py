@@ -58,6 +58,11 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         from simstream.tasks import make_source
 
         source = make_source(args.task, num_envs=1)
+    if args.chunk_size > source.max_episode_steps:  # known now, not after the first generation
+        raise ValueError(
+            f"StreamArgs.chunk_size must be <= the source's max_episode_steps {source.max_episode_steps}, "
+            f"got {args.chunk_size}"
+        )
     cfg = OnlineDataEngineCfg(
         source=source,
         buffer_size=args.buffer_size,
