@@ -111,6 +111,8 @@ def test_demo_records_the_live_stream_then_trains_from_it(tmp_path, capsys):
     )
     replay = json.loads((runs / "replay" / "summary.json").read_text())
     assert replay["steps_done"] == 10 and replay["stream"]["successful_episodes"] >= 16
+    assert f"replayed from the LeRobot dataset `{dataset}`" in (runs / "replay" / "report.md").read_text()
+    assert "streamed live from MuJoCo" in (runs / "rec" / "report.md").read_text()
 
 
 def test_run_record_reports_what_it_recorded_and_how_long_producers_waited(tmp_path):

@@ -193,7 +193,11 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         f"# simstream demo — `{summary['name']}`",
         "",
         f"Behaviour cloning on **{summary['task']}**, trained from episodes that {cfg['num_workers']} "
-        "producer processes streamed live from MuJoCo with a scripted expert (no dataset on disk)."
+        + (
+            f"producer processes replayed from the LeRobot dataset `{cfg['dataset']}`."
+            if cfg.get("dataset")
+            else "producer processes streamed live from MuJoCo with a scripted expert (no dataset on disk)."
+        )
         + (
             f" The policy sees only the {' and '.join(cfg['cameras'])} cameras ({cfg['image_size']} px), "
             "the robot's proprioception and the instruction: no object poses."

@@ -85,7 +85,9 @@ def save_strip(path: Path, shown: list[tuple[object, object]], frames: int) -> P
     import torch
 
     height, width = shown[0][1].shape[-2:]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(1.6 * frames, 2.1 * len(shown)), squeeze=False)
+    # an episode shows at most its length in distinct frames, however many were asked for
+    columns = min(frames, max(episode.length for episode, _ in shown))
+    fig, axes = plt.subplots(len(shown), 1, figsize=(1.6 * columns, 2.1 * len(shown)), squeeze=False)
     for ax, (episode, images) in zip(axes[:, 0], shown):
         steps = sorted({round(i * (episode.length - 1) / max(frames - 1, 1)) for i in range(frames)})
         gap = torch.full((3, height, 4), 255, dtype=torch.uint8)
