@@ -53,6 +53,10 @@ def test_demo_quick_writes_report_plots_checkpoint_and_summary(quick_run):
     assert summary["stream"]["successful_episodes"] >= summary["config"]["buffer_size"]
     assert summary["stream"]["completed_generation"] >= 1
     assert summary["stream"]["sampled_chunks"] >= summary["steps_done"] * summary["config"]["batch_size"]
+    # rates over the whole of training, however short it was
+    steps, batch, span = summary["steps_done"], summary["config"]["batch_size"], summary["train_time_s"]
+    assert summary["stream"]["mean_samples_per_s"] == pytest.approx(steps * batch / span)
+    assert summary["stream"]["mean_fresh_episodes_per_s"] >= 0
     assert [e["step"] for e in summary["evals_during_training"]] == [75, 150]
     assert summary["total_time_s"] > 0
 

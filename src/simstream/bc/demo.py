@@ -92,17 +92,17 @@ def _final_eval(checkpoint: PolicyCheckpoint, episodes: int) -> tuple[EvalResult
     return result, time.monotonic() - began
 
 
-def _stream_summary(log: TrainingLog, stats: dict[str, Any]) -> dict[str, Any]:
-    stream = log.stream
+def _stream_summary(log: TrainingLog, stats: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """The stream's totals, and its rates over the whole of training (from its first step, so a run
+    shorter than the meter's 2-s window still has them)."""
     span = max(log.train_time_s, 1e-9)
-    first = stream[0] if stream else {"successful_episodes": stats["successful_episodes"]}
     return {
         "successful_episodes": int(stats["successful_episodes"]),
         "completed_generation": int(stats["completed_generation"]),
         "sampled_chunks": int(stats["sampled_chunks"]),
         "generated_frames": int(stats["generated_frames"]),
-        "mean_samples_per_s": sum(s["samples_per_s"] for s in stream) / len(stream) if stream else 0.0,
-        "mean_fresh_episodes_per_s": (stats["successful_episodes"] - first["successful_episodes"]) / span,
+        "mean_samples_per_s": log.steps_done * batch_size / span,
+        "mean_fresh_episodes_per_s": (stats["successful_episodes"] - log.episodes_at_start) / span,
     }
 
 
@@ -281,7 +281,7 @@ def _summary(
         "idle_thread_steps": log.idle_thread_steps,
         "training_dtype": str(cfg.training_dtype).removeprefix("torch."),
         "vision": cfg.vision,
-        "stream": _stream_summary(log, stats),
+        "stream": _stream_summary(log, stats, cfg.batch_size),
         "evals_during_training": log.evals,
         "tensorboard": str(run_dir / "tensorboard"),
         "machine": _machine(),

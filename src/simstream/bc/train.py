@@ -66,6 +66,8 @@ class TrainingLog:
     """Seconds spent in gradient steps, waits included (closed-loop checks excluded)."""
     idle_thread_steps: int = 0
     """Gradient steps taken with ``DemoConfig.idle_threads`` threads, while the producers were idle."""
+    episodes_at_start: int = 0
+    """The engine's ``successful_episodes`` when training started (the base of the fresh-episode rate)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready copy."""
@@ -248,6 +250,7 @@ def train_policy(
     dtype = cfg.training_dtype
     precision = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     log, meter = TrainingLog(), _StreamMeter(engine, cfg.batch_size)
+    log.episodes_at_start = meter.last_episodes
     threads = _TrainerThreads(engine, cfg.num_threads, cfg.idle_threads)
     began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
     budget_s = max(deadline - began, 1e-3)
