@@ -38,10 +38,11 @@ class RecordArgs:
     window only when its expert succeeded, so with the built-in tasks every episode is kept either way;
     the flag guards recordings whose episodes may end truncated."""
     no_video: bool = False
-    """Store cameras as PNG images inside the parquet files (lossless) instead of AV1 video."""
+    """Store cameras as PNG images inside the parquet files (lossless) instead of video."""
     video_codec: Literal["h264", "av1"] = "h264"
-    """Codec of camera videos: ``h264`` (about a fifth of AV1's encoding CPU, so recording keeps up with
-    the producers) or ``av1`` (LeRobot's default, about half the bytes). Appending keeps the dataset's."""
+    """Codec of camera videos: ``h264`` (a fifth or less of AV1's encoding CPU, so recording keeps up with
+    the producers) or ``av1`` (LeRobot's default; on 64x64 frames about the same bytes). Appending keeps
+    the dataset's."""
     key_map: list[str] = field(default_factory=list)
     """``LEROBOT_KEY=FIELD`` overrides of the naming rule, e.g. ``observation.images.front=obs/image``."""
     skip_when_behind: bool = False

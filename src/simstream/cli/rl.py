@@ -167,7 +167,7 @@ def run(args: RLArgs) -> int:
         if runner.history:
             write_learning_curve(runner.history, os.path.join(run_dir, "learning_curve.png"),
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
-        _print_summary(summary)
+        _print_summary(summary, curve=bool(runner.history))
     return code
 
 
@@ -201,7 +201,7 @@ def _close(bar: _Bar | None) -> None:
         bar.bar.close()
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, curve: bool) -> None:
     fields = (
         "status", "iterations", "env_frames", "wall_time_s", "env_frames_per_s", "final_return",
         "best_return", "mean_policy_lag", "dropped_overflow", "dropped_stale", "last_checkpoint",
@@ -209,4 +209,5 @@ def _print_summary(summary: dict) -> None:
     )  # fmt: skip
     width = max(map(len, fields))
     print("\n".join(f"  {k:<{width}}  {summary.get(k)}" for k in fields))
-    print(f"  report: {summary['run_dir']}/learning_curve.png, summary.json, TensorBoard logs")
+    written = "learning_curve.png, summary.json" if curve else "summary.json (no update finished: no curve)"
+    print(f"  report: {summary['run_dir']}/{written}, TensorBoard logs")

@@ -53,6 +53,15 @@ class OnlineDataEngine(EngineLifecycle):
     Pickle the engine into ``DataLoader`` workers or other processes (fork, spawn or forkserver) to sample
     there; only the owner may ``start``/``stop``.
 
+    Attributes:
+        cfg: The validated config.
+        run_id: A random 63-bit id of this engine, stamped on every published episode (``ods_run_id`` with
+            ``include_provenance``, and every lifecycle record): ids from two engines never mix.
+        shared_buffer: The whole shared buffer as a ``TensorDict`` ``[buffer_size, T]`` (payload and
+            metadata keys), for inspection: rows change under the reader while producers run; sample
+            with :meth:`sample_batch` for consistent copies.
+        buffer_size: Rows of the buffer.
+
     Examples:
         >>> cfg = OnlineDataEngineCfg(source=my_source_spec, buffer_size=64)  # doctest: +SKIP
         >>> with OnlineDataEngine(cfg) as engine:  # doctest: +SKIP

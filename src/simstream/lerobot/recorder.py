@@ -63,8 +63,8 @@ class LeRobotRecorder:
         root: Dataset folder.
         fps: Frames per second; default the source spec's ``fps`` (the built-in tasks: 20).
         video: Cameras (uint8 ``[3, H, W]`` fields) as video (default) or PNG images.
-        video_codec: ``"av1"`` (LeRobot's default, smallest files) or ``"h264"`` (about a fifth of the
-            encoding CPU, more bytes); an appended dataset keeps its own.
+        video_codec: ``"av1"`` (LeRobot's default) or ``"h264"`` (a fifth or less of the encoding CPU;
+            on small frames about the same bytes); an appended dataset keeps its own.
         key_map: ``{lerobot_key: field_name}`` overrides of the naming rule.
         max_episodes: Stop recording after this many (then producers run freely).
         only_success: Record only episodes whose last frame is not truncated; the others are counted.

@@ -32,7 +32,7 @@ class RayBackend:
     """Run ``OnlineDataEngineCfg.num_workers`` producers as Ray actors wherever the cluster places them.
 
     Each actor builds its source from the engine's ``SourceSpec``, rolls windows out into its own memory
-    and returns them by value; the engine's ingest thread in the trainer process claims, writes and
+    and returns them by value; the engine's ingest process on the trainer's machine claims, writes and
     publishes them into the shared buffer through the same write protocol as local producers. Every field
     is checked on construction (``ValueError`` naming the field and its accepted range), before anything
     connects to Ray.
