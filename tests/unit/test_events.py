@@ -153,6 +153,11 @@ def test_release_gives_reserved_space_back(log):
     assert log.free_slots() == 3
     log.release(10)  # never below zero
     assert log.free_slots() == 4 and log.state_dict()["reserved"] == 0
+    assert log.reserve(2, should_stop=lambda: False)
+    for count in (-1, 1.0):  # a negative count would have added to the reservation
+        with pytest.raises(ValueError, match=r"release count must be an int >= 0, got"):
+            log.release(count)
+    assert log.state_dict()["reserved"] == 2
 
 
 @pytest.mark.parametrize("count", [-1, 5, 1.0], ids=repr)

@@ -260,7 +260,10 @@ def test_the_column_append_checks_shapes_and_kinds():
         log.append_columns(np.array([2]), scalars, valid, valid)
     with pytest.raises(ValueError, match="columns"):
         log.append_columns(np.array([0]), scalars[:, :4], valid, valid)
+    with pytest.raises(ValueError, match="kinds"):  # a list is checked like an array
+        log.append_columns([5], scalars, valid, valid)
     assert log.pending() == 0
+    assert log.append_columns([0], scalars, valid, valid) == [0]
 
 
 @pytest.mark.parametrize("per_call", [3, 1])

@@ -188,7 +188,8 @@ class LifecycleEventLog:
             ValueError: If a column has the wrong shape or a kind is unknown; nothing is written.
             RuntimeError: As in :meth:`append`.
         """
-        count = len(kind) if np.ndim(kind) == 1 else -1
+        kind = np.asarray(kind)
+        count = len(kind) if kind.ndim == 1 else -1
         shapes_ok = (
             count >= 0
             and np.shape(scalars) == (count, len(_SCALARS))
@@ -290,6 +291,8 @@ class LifecycleEventLog:
         ``check`` is called every 0.1 s while another process holds the log's lock; it ends the wait by
         raising (nothing is given back then).
         """
+        if type(count) is not int or count < 0:
+            raise ValueError(f"LifecycleEventLog.release count must be an int >= 0, got {count!r}")
         cursor = self._arrays()[0]
         with self._lock.held(check):
             cursor[2] -= min(count, int(cursor[2]))
