@@ -225,6 +225,9 @@ def evaluate_policy(
         keep_strips: Keep what a vision policy saw in its first successful and first failed episode.
         on_step: Called with the number of episodes that finished, after each control step where some did.
         max_parallel: Episodes run in lockstep at most (the seeds in order, in groups of this size).
+            An episode's actions can differ in their last bits with the number of episodes stepped beside
+            it (a matrix product over one row takes another path than over several), so a rerun is exact
+            with the same seeds and ``max_parallel``, not necessarily with other groupings.
 
     Returns:
         Per-episode success, length and instruction, in seed order; the recorded frames and the strips.
