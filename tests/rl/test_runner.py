@@ -93,6 +93,7 @@ def test_ring_reader_never_sees_a_torn_rollout_across_processes(overflow):
 def test_sync_mode_matches_serial_mode_exactly():
     """Lock-step with a subprocess is the same computation as collecting in-process (A/B equivalence)."""
     rows = {}
+    assert _tiny().normalize_obs
     for mode in ("sync", "serial"):
         with APPORunner(_tiny(mode=mode)) as runner:
             runner.learn(4, log_dir=None)
@@ -105,6 +106,9 @@ def test_sync_mode_matches_serial_mode_exactly():
                 for r in runner.history
             ]
             assert all(r["rl/policy_lag"] == 0 for r in runner.history)
+            # in lock-step the behaviour policy is the target policy, normaliser included: rho is 1
+            assert all(r["vtrace/rho_clip_fraction"] == 0.0 for r in runner.history)
+            assert all(r["vtrace/rho_p99"] == pytest.approx(1.0, abs=1e-5) for r in runner.history)
     assert rows["sync"] == rows["serial"]
 
 

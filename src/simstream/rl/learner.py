@@ -54,7 +54,9 @@ class APPOLearner:
         cfg = self.cfg
         for key in BATCH_KEYS:
             check_finite(f"batch.{key}", batch[key])
-        self.normalizer.update(batch["obs"])
+        # Normalised with the statistics the collector acted under: updated first, they would make the
+        # target's log-probabilities differ from the behaviour's even in lock-step (rho != 1 at lag 0).
+        # The batch joins the statistics after the update, before the next snapshot.
         dev = self.device
         obs = self.normalizer.normalize(batch["obs"]).to(dev)
         last_obs = self.normalizer.normalize(batch["last_obs"]).to(dev)
@@ -95,6 +97,7 @@ class APPOLearner:
                 for key, value in parts.items():
                     sums[key] += value
                 steps += 1
+        self.normalizer.update(batch["obs"])
         self.updates += 1
         if self.updates % cfg.target_update_interval == 0:
             self.target.load_state_dict(self.model.state_dict())
