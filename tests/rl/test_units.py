@@ -302,6 +302,20 @@ def test_pack_unpack_roundtrip_includes_normaliser():
     assert torch.allclose(other_norm.mean, norm.mean.float().double())
 
 
+def test_obs_normalizer_state_loads_onto_the_cpu_in_float64():
+    """A checkpoint mapped to the learner's device (cuda) must not move the statistics there: they are
+    packed with CPU copies of the weights and updated with CPU batches (no GPU here: the dtype and device
+    of a loaded state are what is checked)."""
+    norm = ObsNormalizer(3)
+    norm.load_state_dict({"mean": torch.ones(3, dtype=torch.float32), "var": torch.full((3,), 4.0),
+                          "count": 5, "enabled": True})  # fmt: skip
+    assert norm.mean.device.type == norm.var.device.type == "cpu"
+    assert norm.mean.dtype == norm.var.dtype == torch.float64 and norm.count == 5.0
+    assert torch.equal(
+        pack_policy(ActorCritic(3, 2, (8,), 0.0), norm)[-6:], torch.tensor([1.0] * 3 + [4.0] * 3)
+    )
+
+
 def test_obs_normalizer_matches_batch_statistics():
     data = torch.randn(3000, 4, dtype=torch.float64) * 3 + 1
     norm = ObsNormalizer(4)

@@ -95,8 +95,10 @@ class ObsNormalizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.mean = state["mean"].clone().double()
-        self.var = state["var"].clone().double()
+        # on the CPU whatever device the checkpoint was mapped to: the statistics live there (batches
+        # arrive on the CPU, pack_policy concatenates them with CPU copies of the weights)
+        self.mean = state["mean"].detach().to("cpu", torch.float64, copy=True)
+        self.var = state["var"].detach().to("cpu", torch.float64, copy=True)
         self.count = float(state["count"])
         self.enabled = bool(state["enabled"])
 
