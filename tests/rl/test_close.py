@@ -117,3 +117,26 @@ def test_the_cli_mode_flags_choose_the_mode(tmp_path):
     assert main([*common, "--name", "b", "--sync"]) == 0
     modes = [json.loads((tmp_path / n / "summary.json").read_text())["mode"] for n in ("a", "b")]
     assert modes == ["serial", "sync"]
+
+
+def test_a_collector_that_failed_to_start_is_named_by_every_later_learn(monkeypatch):
+    """A spawn that fails once (EAGAIN) leaves a runner without a collector: the next learn() says so at
+    once instead of waiting data_timeout_s and blaming a live collector that never existed."""
+    from simstream.workers import supervisor
+
+    def failing_start(self, specs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(supervisor.WorkerSupervisor, "start", failing_start)
+    cfg = APPOConfig(
+        env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16, hidden_sizes=(16,),
+        runner=RunnerConfig(data_timeout_s=600.0, shutdown_timeout_s=5.0),
+    )  # fmt: skip
+    with APPORunner(cfg) as runner:
+        with pytest.raises(BlockingIOError, match="Resource temporarily unavailable"):
+            runner.learn(1, log_dir=None)
+        with pytest.raises(
+            RuntimeError, match=r"its collector failed to start \(BlockingIOError: .*close\(\)"
+        ):
+            runner.learn(1, log_dir=None)
+        assert runner.collector_pid is None

@@ -74,6 +74,8 @@ class APPORunner(AsyncRunner):
     def __init__(
         self, config: APPOConfig | None = None, *, device: str | None = None, resume: str | None = None
     ) -> None:
+        self._start_error: BaseException | None = None
+        """Why the collector could not be started (the runner is unusable then)."""
         self.config = config if config is not None else APPOConfig()
         super().__init__(self.config.runner, device=device, collector_device="cpu")
         self.obs_dim, self.act_dim = describe_env(self.config.env_id)
@@ -114,6 +116,12 @@ class APPORunner(AsyncRunner):
 
     def _ensure_started(self, crash_dir: str | None) -> None:
         if self.ring is not None:
+            if self._start_error is not None:  # no collector runs: waiting for rollouts would only time out
+                raise RuntimeError(
+                    f"{type(self).__name__}: its collector failed to start "
+                    f"({type(self._start_error).__name__}: {self._start_error}); close() this runner and "
+                    "make a new one"
+                ) from self._start_error
             return
         cfg, spec = self.config, self._spec()
         if cfg.mode != "serial":  # the collector copies the weights without a lock, in another process
@@ -125,9 +133,13 @@ class APPORunner(AsyncRunner):
         if cfg.mode == "serial":
             self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
         else:
-            self._start_collector(
-                {"spec": spec, "ring": self.ring, "weights": self.weights}, crash_dir=crash_dir
-            )
+            try:
+                self._start_collector(
+                    {"spec": spec, "ring": self.ring, "weights": self.weights}, crash_dir=crash_dir
+                )
+            except BaseException as error:
+                self._start_error = error
+                raise
 
     # ------------------------------------------------------------------ training loop
     def learn(
