@@ -231,7 +231,8 @@ def test_a_generation_that_waits_for_a_drain_says_so_when_it_times_out():
             threading.Event().wait(0.01)  # a bounded poll: the log has no event for "full"
         message = (
             f"ODS generation {generation} was not published in 0.2s; the lifecycle log holds 8 of its 8 "
-            "records and a window needs room for up to 4: producers wait for drain_lifecycle_events()"
+            "records (0 more reserved) and a window needs room for up to 4: producers wait for "
+            "drain_lifecycle_events()"
         )
         with pytest.raises(TimeoutError, match=re.escape(message)):
             engine.wait_for_generation(generation, timeout=0.2)

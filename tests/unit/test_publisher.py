@@ -220,6 +220,45 @@ def test_closing_while_a_publication_waits_for_the_log_leaves_the_window_unpubli
     assert records == [("evicted", 0, 0), ("evicted", 1, 1)]  # claimed, so evicted; never published
 
 
+def test_a_publication_waiting_for_the_quota_lock_does_not_hold_the_log():
+    """Locks are taken publication, quota, log: a producer waiting for a sampler's quota lock must not hold
+    the log's lock, or the owner's drain (and every producer's reservation) would wait for that batch."""
+    engine = _engine()
+    shared = engine._shared
+    held, release = threading.Event(), threading.Event()
+
+    def sampler() -> None:  # holds the quota lock as a sampler does while it copies a batch
+        with shared.quota.lock.held(None):
+            held.set()
+            release.wait(60)
+
+    def producer() -> None:
+        _publish(engine, _windows(1)[:1] * WINDOWS, 1, together=True)
+
+    holder = threading.Thread(target=sampler)
+    holder.start()
+    assert held.wait(30)
+    publishing = threading.Thread(target=producer)
+    publishing.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not shared.publish_lock.is_held_here() and time.monotonic() < deadline:
+            threading.Event().wait(0.005)  # a bounded poll: the producer reaches its publication
+        assert shared.publish_lock.is_held_here()
+        waited = time.monotonic() + 2.0
+
+        def bounded() -> None:
+            if time.monotonic() > waited:
+                raise AssertionError("the drain waited for the log while the producer waited for the quota")
+
+        assert shared.events.drain(bounded) == []  # nothing published yet; the lock was free
+    finally:
+        release.set()
+        holder.join(30)
+        publishing.join(30)
+    assert len(shared.events.drain()) == ROWS  # then the publication went through
+
+
 def test_a_claim_abandoned_on_closing_logs_no_eviction():
     """Evictions are logged once the claim succeeded: a claim that waits for a recorder and is abandoned
     evicts nothing, and the log says nothing about it."""

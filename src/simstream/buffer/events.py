@@ -126,6 +126,12 @@ class LifecycleEventLog:
         with self._lock.held(None):
             return self._pending_locked()
 
+    def fill_estimate(self) -> tuple[int, int]:
+        """``(pending, reserved)`` read without the lock: exact when nothing appends meanwhile, and never a
+        wait (for messages about a full log, which must not hang on a stopped holder)."""
+        cursor = self._arrays()[0]
+        return int(cursor[0]) - int(cursor[1]), int(cursor[2])
+
     def free_slots(self) -> int:
         """Number of records that can be appended or reserved before the log is full."""
         with self._lock.held(None):

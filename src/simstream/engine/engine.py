@@ -370,13 +370,17 @@ class OnlineDataEngine(EngineLifecycle):
         events = self._shared.events
         if events is None:
             return ""
-        pending, window = events.pending(), 2 * self._num_envs  # a window's published + evicted
-        if events.capacity - pending >= window:
+        pending, reserved = events.fill_estimate()
+        window = 2 * self._num_envs  # a window's published + evicted records
+        backend = self.cfg.backend
+        if backend is not None:  # the Ray ingest reserves the windows it publishes together at once
+            window *= min(backend.publish_windows, backend.windows_per_call * backend.calls_in_flight)
+        if events.capacity - pending - reserved >= window:
             return ""
         return (
-            f"; the lifecycle log holds {pending} of its {events.capacity} records and a window needs room "
-            f"for up to {window}: producers wait for drain_lifecycle_events() (a refill writes up to two "
-            "records per row it writes)"
+            f"; the lifecycle log holds {pending} of its {events.capacity} records ({reserved} more "
+            f"reserved) and a window needs room for up to {window}: producers wait for "
+            "drain_lifecycle_events() (a refill writes up to two records per row it writes)"
         )
 
     # -- status --------------------------------------------------------------------------------------

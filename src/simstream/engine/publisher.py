@@ -164,17 +164,18 @@ class WindowPublisher:
         check = self._raise_if_closing
         # Every lock is taken before the rows become visible: a Closing raised while waiting leaves the
         # windows unpublished, and once they are published their records go in without another wait.
-        log = shared.events.holding(check) if shared.events is not None else contextlib.nullcontext()
-        with shared.publish_lock.held(check), log:
+        # Order: publication, quota, log. The log's lock is taken last and held for microseconds, so the
+        # owner's drain never waits for a sampler's batch (samplers hold the quota lock while they copy).
+        quota, events = shared.quota, shared.events
+        quota_held = quota.lock.held(check) if quota is not None else contextlib.nullcontext()
+        log_held = events.holding(check) if events is not None else contextlib.nullcontext()
+        with shared.publish_lock.held(check), quota_held, log_held:  # taken in this order
             first_id = progress.allocate_episode_ids(end - start)
-            if shared.quota is not None:
-                with shared.quota.lock.held(check):
-                    ids = torch.arange(first_id, first_id + end - start)
-                    shared.quota.publish(torch.arange(start, end), ids, generation)
-                    window = self.writer.publish(start, end, generation, first_id)
-            else:
-                window = self.writer.publish(start, end, generation, first_id)
-            if shared.events is not None:
+            if quota is not None:
+                ids = torch.arange(first_id, first_id + end - start)
+                quota.publish(torch.arange(start, end), ids, generation)
+            window = self.writer.publish(start, end, generation, first_id)
+            if events is not None:
                 self._append_records(window, window_rows)
 
     def _append_records(self, window: PublishedWindow, window_rows: int) -> None:
