@@ -365,6 +365,11 @@ def test_numpy_values_and_paths_are_saved_as_plain_values_and_objects_are_refuse
     assert loaded.info == {"steps": 3, "rate": 0.25, "run": str(tmp_path / "run"), "seeds": (1, 2)}
     assert type(loaded.info["rate"]) is float and type(loaded.info["steps"]) is int
     assert loaded.rollout.ensemble_decay == 0.1 and loaded.rollout.gripper_threshold == 0.5
+    kept = {"by_seed": {7: True, 0.5: "x"}, "raw": b"\x00", "z": 1 + 2j}  # what weights-only loading reads
+    path = save_checkpoint(
+        tmp_path / "k.pt", PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", rollout, kept)
+    )
+    assert load_checkpoint(path).info == kept
     odd = PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", RolloutConfig(), {"when": object()})
     with pytest.raises(
         ValueError, match=r"PolicyCheckpoint.info\['when'\] holds a builtins.object; a checkpoint"
@@ -421,6 +426,10 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path)
         ({"name": "a/b"}, "DemoConfig.name must be a folder name"),
         ({"task": "nope"}, "task must be one of"),
         ({"execute_steps": 0}, "RolloutConfig.execute_steps must be an int >= 1"),
+        (
+            {"ensemble_decay": None, "horizon": 4, "execute_steps": 8},
+            "DemoConfig.execute_steps must be an int in [1, 4], got 8",
+        ),
         ({"weight_decay": -1.0}, "DemoConfig.weight_decay must be a finite number >= 0, got -1.0"),
         ({"time_limit_s": True}, "DemoConfig.time_limit_s must be a finite number > 0, got True"),
         ({"buffer_size": 1, "num_workers": 2}, "DemoConfig.buffer_size must be >= num_workers (2), got 1"),

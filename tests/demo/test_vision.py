@@ -606,6 +606,30 @@ def test_without_action_noise_the_robot_executes_the_recorded_command():
     assert not torch.equal(states[:length], perturbed_states[:length])  # the noise moved the robot
 
 
+def test_camera_episodes_label_each_frame_with_the_phase_that_acted():
+    """As the task source's: a frame where the expert ends a phase belongs to that phase's segment (the
+    gripper is open while reaching, closed through grasp and lift)."""
+    from simstream.bc.camera_source import CameraEpisodeSource
+    from simstream.tasks.base import Phase
+
+    spec = CameraSourceSpec("pick_place", ("front",), image_size=S, max_episode_steps=120)
+    source = CameraEpisodeSource(spec, worker_index=0, seed=0)
+    try:
+        for seed in (11, 12):
+            episode = source.record(seed)
+            gripper = source._buffers["actions"][: episode.length, 7]
+            texts = [segment.instruction.split()[0] for segment in episode.segments]
+            assert texts[:3] == [Phase.REACH.value, Phase.GRASP.value, Phase.LIFT.value]
+            for text, segment in zip(texts, episode.segments):
+                commands = set(gripper[segment.start : segment.end].tolist())
+                if text == Phase.REACH.value:
+                    assert commands == {1.0}, (seed, segment)
+                elif text in (Phase.GRASP.value, Phase.LIFT.value):
+                    assert commands == {0.0}, (seed, segment)
+    finally:
+        source.env.close()
+
+
 # ----------------------------------------------------------------------------- through the real engine
 def test_camera_frames_stream_through_the_engine_into_the_policy():
     from simstream import OnlineDataEngine, OnlineDataEngineCfg

@@ -134,15 +134,28 @@ def _plain(value: Any, where: str) -> Any:
     """
     if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         return value.item()  # before the checks below: numpy.float64 is a float, yet pickles as NumPy's
-    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
+    if value is None or type(value) in _PLAIN or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, Path):
         return str(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item, f"{where}[{k}]") for k, item in enumerate(value))
-    if isinstance(value, dict) and all(isinstance(name, str) for name in value):
-        return {name: _plain(item, f"{where}[{name!r}]") for name, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item, f"{where}[{k}]") for k, item in enumerate(value)]
+    if isinstance(value, tuple):  # a named tuple too: stored as a plain tuple
+        return tuple(_plain(item, f"{where}[{k}]") for k, item in enumerate(value))
+    if isinstance(value, dict):
+        return {_plain_key(name, where): _plain(item, f"{where}[{name!r}]") for name, item in value.items()}
     raise ValueError(
         f"PolicyCheckpoint.{where} holds a {type(value).__module__}.{type(value).__qualname__}; a checkpoint "
-        "stores only numbers, strings, paths, lists, tuples, tensors and dicts with string keys"
+        "stores only numbers, strings, bytes, paths, lists, tuples, dicts and tensors"
     )
+
+
+_PLAIN = (bool, int, float, complex, str, bytes)
+"""Values a weights-only ``torch.load`` reads back as they are."""
+
+
+def _plain_key(name: Any, where: str) -> Any:
+    key = _plain(name, f"{where} key")
+    if type(key) not in _PLAIN or isinstance(key, bytes):
+        raise ValueError(f"PolicyCheckpoint.{where} has a key {name!r}; dict keys must be strings or numbers")
+    return key

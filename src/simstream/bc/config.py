@@ -171,6 +171,8 @@ class DemoConfig:
             )
         for name in ("history", "horizon"):  # a context spans history + horizon - 1 frames of one row
             require_int("DemoConfig", name, getattr(self, name), 1, self.max_episode_steps)
+        if self.ensemble_decay is None and type(self.execute_steps) is int:  # chunks hold horizon actions
+            require_int("DemoConfig", "execute_steps", self.execute_steps, 1, self.horizon)
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
         require_int("DemoConfig", "idle_threads", self.idle_threads, 0, 256)

@@ -157,6 +157,16 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     return engine_cfg
 
 
+def _new_run_name(runs: Path) -> str:
+    """``demo-<date>-<time>``, with ``-2``, ``-3``... when runs started in the same second."""
+    stamp = time.strftime("demo-%Y%m%d-%H%M%S")
+    name, k = stamp, 1
+    while (runs / name).exists():
+        k += 1
+        name = f"{stamp}-{k}"
+    return name
+
+
 def _check_run_folder(cfg: DemoConfig) -> None:
     """``runs_dir`` must be a folder, and a named run's folder new or empty: a second run in it would mix
     its TensorBoard events and files with the first's."""
@@ -183,12 +193,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from simstream import OnlineDataEngine
 
     began = time.monotonic()
-    name = cfg.name or time.strftime("demo-%Y%m%d-%H%M%S")
+    name = cfg.name or _new_run_name(Path(cfg.runs_dir))
     run_dir = Path(cfg.runs_dir) / name
     engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_dir.mkdir(exist_ok=cfg.name is not None)  # a timestamped name is new (checked empty otherwise)
+    run_dir.mkdir(parents=True, exist_ok=True)  # new, or empty (check_demo_setup)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     policy_config = cfg.policy_config

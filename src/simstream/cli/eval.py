@@ -146,9 +146,9 @@ def run_eval(args: EvalArgs) -> dict:
     if args.continuous_gripper or args.gripper_threshold is not None:
         rollout = dataclasses.replace(rollout, gripper_threshold=args.gripper_threshold)
     horizon = checkpoint.policy.config.horizon
-    if rollout.ensemble_decay is None and rollout.execute_steps > horizon:
-        raise ValueError(  # a chunk holds only `horizon` actions
-            f"EvalArgs.execute_steps must be <= the policy's horizon {horizon}, got {rollout.execute_steps}"
+    if args.execute_steps is not None and rollout.ensemble_decay is None and args.execute_steps > horizon:
+        raise ValueError(  # a chunk holds only `horizon` actions (a checkpoint's own setting is trusted)
+            f"EvalArgs.execute_steps must be <= the policy's horizon {horizon}, got {args.execute_steps}"
         )
     seeds = eval_seeds(args.episodes, offset=args.seed_offset)
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)

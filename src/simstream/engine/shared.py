@@ -45,7 +45,7 @@ class EngineShared:
     """Reject a window whose float payload holds NaN in a reported frame (``EpisodeWriter.write``)."""
     record_gate: RecordGate | None = None
     """Per-row "recorded up to episode id": claims wait for an attached recorder (``buffer/gate.py``).
-    Created with the rest when not given: 16 bytes per row."""
+    Created with the rest when not given: 24 bytes per row."""
 
     def __post_init__(self) -> None:
         if self.record_gate is None:

@@ -24,8 +24,8 @@ def derive_worker_seed(seed: int, worker_index: int, incarnation: int = 0) -> in
     """Independent, reproducible seed for worker ``worker_index`` of an engine seeded with ``seed``.
 
     ``incarnation`` counts restarts of that worker (Ray backend): a restarted producer gets a new seed,
-    so it does not replay the episodes its predecessor already published. Incarnation 0 keeps the seed
-    local producers have always used.
+    so it does not replay the episodes its predecessor already published. Incarnation 0 is what local
+    producers use (the same seed as a Ray producer that was never restarted).
     """
     if incarnation == 0:
         return derived_seed(seed, worker_index)
