@@ -56,6 +56,20 @@ def test_huge_messages_and_tracebacks_fit_the_channel():
     assert decoded.message.startswith("xxx") and "characters cut" in decoded.message
 
 
+@pytest.mark.parametrize(
+    "character", ["x", "é", "中", "😀", "\udc80"], ids=["ascii", "latin", "cjk", "emoji", "surrogate"]
+)
+def test_messages_of_any_characters_fit_and_come_back_unchanged(character):
+    """The caps count characters: JSON's escapes wrote an emoji as 12 bytes and such a record did not fit
+    at all (nothing was published); a lone surrogate (from a decoding error) must travel too."""
+    channel = ErrorChannel(mp.get_context("fork"))
+    assert channel.publish(_raised(RuntimeError(character * 20_000)), "collector")
+    record = channel.read()
+    assert record.type_name == "RuntimeError" and record.message.startswith(character * 10)
+    short = FailureRecord.from_exception(_raised(ValueError(character * 3)), "w")
+    assert FailureRecord.decode(short.encode()).message == character * 3
+
+
 def test_cap_text_keeps_head_and_tail():
     text = "HEAD" + "." * 1000 + "TAIL"
     capped = cap_text(text, 100)

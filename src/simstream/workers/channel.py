@@ -133,13 +133,16 @@ class FailureRecord:
             (self.payload, _TEXT_LIMIT, _TRACEBACK_LIMIT),
             (None, _TEXT_LIMIT, _TRACEBACK_LIMIT),
             (None, 1024, 8 * 1024),
+            (None, 256, 1024),
         ):
             header = asdict(self)
             header.pop("payload")
             header["message"] = cap_text(self.message, text_limit)
             header["representation"] = cap_text(self.representation, text_limit)
             header["traceback_text"] = cap_text(self.traceback_text, tb_limit)
-            body = json.dumps(header).encode()
+            # UTF-8, not JSON's \u escapes: at most 4 bytes a character, where an escaped emoji takes 12
+            # (the caps count characters); surrogatepass keeps a lone surrogate of a decoding error
+            body = json.dumps(header, ensure_ascii=False).encode("utf-8", "surrogatepass")
             blob = payload or b""
             data = _HEADER.pack(len(body), len(blob)) + body + blob
             if len(data) <= CHANNEL_BYTES:
@@ -150,7 +153,7 @@ class FailureRecord:
     def decode(cls, data: bytes) -> FailureRecord:
         body_len, blob_len = _HEADER.unpack_from(data)
         start = _HEADER.size
-        header = json.loads(data[start : start + body_len].decode())
+        header = json.loads(data[start : start + body_len].decode("utf-8", "surrogatepass"))
         blob = data[start + body_len : start + body_len + blob_len]
         return cls(**header, payload=blob or None)
 
