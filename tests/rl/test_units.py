@@ -419,3 +419,23 @@ def test_learner_nan_guard_rejects_a_poisoned_batch():
     with pytest.raises(NonFiniteError, match=r"'batch\.rewards'"):
         learner.update(batch)
     assert learner.updates == 1  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("start", "kl", "expected"),
+    [
+        (3e-4, 1.0, 2e-4),  # KL 100x the target: lowered by 1.5
+        (3e-4, 1e-4, 4.5e-4),  # KL far below it: raised by 1.5
+        (3e-4, 0.01, 3e-4),  # on target: kept
+        (9e-3, 1e-4, 1e-2),  # raised up to the bound
+        (5e-2, 1e-4, 5e-2),  # above the bound: a raise never lowers it (it made 1e-2)
+        (5e-2, 1.0, 5e-2 / 1.5),  # and a lowering still lowers it
+        (3e-6, 1.0, 3e-6),  # below the bound: a lowering never raises it (it made 1e-5)
+        (3e-6, 1e-4, 4.5e-6),
+    ],
+)
+def test_the_adaptive_learning_rate_moves_only_the_way_the_kl_asks(start, kl, expected):
+    learner = APPOLearner(APPOConfig(learning_rate=start, desired_kl=0.01), 3, 1, "cpu")
+    learner._adapt_learning_rate(kl)
+    assert learner.learning_rate == pytest.approx(expected)
+    assert all(group["lr"] == learner.learning_rate for group in learner.optimizer.param_groups)

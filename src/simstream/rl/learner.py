@@ -144,10 +144,13 @@ class APPOLearner:
 
     def _adapt_learning_rate(self, kl: float) -> None:
         low, high = _LR_BOUNDS
+        rate = self.learning_rate
+        # each move only in its own direction: a start value outside the bounds is never pushed the wrong
+        # way (a "raise" clamped to 1e-2 lowered a rate of 5e-2)
         if kl > 2.0 * self.cfg.desired_kl:
-            self.learning_rate = max(low, self.learning_rate / 1.5)
+            self.learning_rate = min(rate, max(low, rate / 1.5))
         elif 0.0 < kl < 0.5 * self.cfg.desired_kl:
-            self.learning_rate = min(high, self.learning_rate * 1.5)
+            self.learning_rate = max(rate, min(high, rate * 1.5))
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate
 
