@@ -15,6 +15,8 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
+
 import torch
 import tyro
 

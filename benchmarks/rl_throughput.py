@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
+
 import numpy as np
 import torch
 import tyro

@@ -286,23 +286,28 @@ def throughput_section(args: Args, engine, workload: Workload, title: str) -> No
     raw = RawGather(engine, workload)
     candidates = {"raw gather (same keys)": raw, **_engine_candidates(engine, workload)}
     candidates["raw gather, whole-slice copies (same keys)"] = RawGather(engine, workload, windowed=True)
-    candidates["raw gather (payload keys only)"] = RawGather(engine, workload, payload_keys(engine))
+    payload_only = RawGather(engine, workload, payload_keys(engine))
+    candidates["raw gather (payload keys only)"] = payload_only
     torchrl = make_torchrl_sampler(engine, workload)
+    if (
+        torchrl is not None
+    ):  # in the same rounds as sample_batch: the x TorchRL targets compare like with like
+        candidates["TorchRL SliceSampler"] = torchrl
     seconds = args.round_seconds(workload)
     rates = interleaved_rates(candidates, args.rounds, seconds)
-    if torchrl is not None:
-        # TorchRL is 20-100x slower: measured in its own rounds so it does not dominate the run time
-        interleaved_rates({"TorchRL SliceSampler": torchrl}, args.rounds, seconds, rates=rates)
     _loader_rounds(engine, _loaders(engine, workload, args.loader_workers), workload, args, rates)
-    _print_throughput(title, workload, rates, raw.bytes_per_batch, torchrl is not None, args.loader_workers)
+    # every row copies the same keys as the raw gather, but the payload-only one
+    nbytes = {name: raw.bytes_per_batch for name in rates.rounds}
+    nbytes["raw gather (payload keys only)"] = payload_only.bytes_per_batch
+    _print_throughput(title, workload, rates, nbytes, torchrl is not None, args.loader_workers)
 
 
 def _print_throughput(
-    title: str, workload: Workload, rates: Rates, nbytes: int, has_torchrl: bool, workers: int
+    title: str, workload: Workload, rates: Rates, nbytes: dict[str, int], has_torchrl: bool, workers: int
 ) -> None:
     images = workload.image_size is not None
     table = Table(
-        f"{title}: {workload.describe()}, {nbytes / 2**20:.1f} MiB per batch",
+        f"{title}: {workload.describe()}, {nbytes['raw gather (same keys)'] / 2**20:.1f} MiB per batch",
         [
             "candidate",
             "batches/s",
@@ -319,7 +324,7 @@ def _print_throughput(
     for name in rates.rounds:
         rate = rates.median(name)
         cpu, workers_cpu = rates.median_cpu_ms(name), rates.median_helper_cpu_ms(name)
-        gb_s = rate * nbytes / 1e9
+        gb_s = rate * nbytes[name] / 1e9
         table.row(name, rate, 1e3 / rate, cpu, workers_cpu, gb_s, ratio(rate, torchrl), ratio(rate, raw))
     print(
         "\nCPU ms/batch: CPU time of the calling thread per batch (DataLoader rows with workers: the "
