@@ -277,7 +277,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         + (
             "same result"
             if cfg.get("device", "cpu") == "cpu"
-            else f"on the CPU (the run evaluated on {cfg['device']}: the last bits, and so a few episodes, may differ)"
+            else f"on the CPU (the run evaluated on {cfg['device']}: a few episodes may differ)"
         ),
         f"simstream eval {summary['checkpoint']} --episodes 4 --video rollouts.gif",
         f"tensorboard --logdir {summary['tensorboard']}",
