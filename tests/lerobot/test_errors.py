@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,21 +161,32 @@ def test_features_that_do_not_match_on_append(tmp_path):
         DatasetWriter(tmp_path / "ds", features, 30)
 
 
-def test_appending_a_field_of_shape_1_to_a_scalar_column_is_refused(tmp_path):
-    """LeRobot's shape [1] is a plain column for a field of shape () and a list column for (1,): appending
-    the other kind would leave a column of two types that no reader could replay."""
-    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
-    writer = DatasetWriter(tmp_path / "ds", features, 20)
+def test_a_field_of_shape_1_is_stored_as_lerobot_stores_shape_1(tmp_path):
+    """LeRobot's reader casts every feature of shape [1] to one value per frame and cannot open a list of
+    one: a field of shape (1,) is stored as a plain column, appends to one, and replays as shape ()."""
+    import pyarrow.parquet as pq
+
+    listed = features_from_fields({**PatternSpec().fields(), "rewards": Field((1,))}, KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", listed, 20)
     writer.add(pattern_record(0, image_size=None))
     writer.flush()
-    listed = features_from_fields({**PatternSpec().fields(), "rewards": Field((1,))}, KeyMap(), video=True)
-    with pytest.raises(
-        ValueError,
-        match=r"data/chunk-000/file-000.parquet: column 'rewards' holds one value per frame; the "
-        r"recording's field 'rewards' has shape \(1,\)",
-    ):
-        DatasetWriter(tmp_path / "ds", listed, 20)
-    DatasetWriter(tmp_path / "ds", features, 20)  # the same shapes append
+    schema = pq.read_schema(tmp_path / "ds" / "data" / "chunk-000" / "file-000.parquet")
+    assert str(schema.field("rewards").type) == "float"
+    assert json.loads(schema.metadata[b"huggingface"])["info"]["features"]["rewards"]["_type"] == "Value"
+    plain = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", plain, 20)  # a field of shape () appends to it
+    writer.add(pattern_record(1, image_size=None))
+    writer.flush()
+    spec = LeRobotSpec(tmp_path / "ds")
+    assert spec.fields()["rewards"] == Field(())
+    source = spec.build(0, 0)
+    try:
+        rewards = [source.reader.read(e).frames["rewards"] for e in range(2)]
+    finally:
+        source.close()
+    for episode, values in enumerate(rewards):
+        expected = pattern_record(episode, image_size=None).frames["rewards"].reshape(-1)
+        np.testing.assert_array_equal(np.asarray(values).reshape(-1), expected)
 
 
 def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(tmp_path):

@@ -103,11 +103,18 @@ class Feature:
     shape: tuple[int, ...]
     """LeRobot's shape: ``(1,)`` for a per-frame scalar, ``(3, H, W)`` for a camera."""
     scalar: bool = False
-    """Stored as a plain column (LeRobot shape ``[1]``), read as ``Field(())``."""
+    """The field has shape ``()``; a replayed plain column (LeRobot shape ``[1]``) is read as one."""
 
     @property
     def visual(self) -> bool:
         return self.dtype in ("image", "video")
+
+    @property
+    def plain(self) -> bool:
+        """Stored as one value per frame, not a list: every LeRobot feature of shape ``[1]`` is (its reader
+        casts shape ``[1]`` to a plain value and cannot open a list of one). A field of shape ``(1,)``
+        is stored so too, and replays as shape ``()``."""
+        return not self.visual and (self.scalar or tuple(self.shape) == (1,))
 
     def field_spec(self) -> Field:
         if self.visual:
@@ -427,7 +434,7 @@ def hf_features(features: list[Feature]) -> dict[str, Any]:
             continue
         if f.dtype == "image":
             out[f.key] = {"_type": "Image"}
-        elif f.scalar:
+        elif f.plain:
             out[f.key] = {"dtype": f.dtype, "_type": "Value"}
         else:
             out[f.key] = {

@@ -157,13 +157,14 @@ class DatasetWriter:
         self.next_file = state["next_file"]
 
     def _check_scalars(self, meta) -> None:
-        """LeRobot's shape ``[1]`` is a field of shape ``()`` (a plain column) or ``(1,)`` (a list column):
-        appending the other kind would leave columns of two types that no reader can replay."""
+        """A column holds one value per frame (LeRobot's shape ``[1]``) or a list per frame: appending
+        the other kind (onto a list of one that an earlier simstream wrote for a ``(1,)`` field) would
+        leave a column of two types that no reader can replay."""
         from .dataset import scalar_columns
 
         stored = scalar_columns(meta)
         for feature in self.features:
-            if not feature.visual and feature.scalar != (feature.key in stored):
+            if not feature.visual and feature.plain != (feature.key in stored):
                 kind = "one value per frame" if feature.key in stored else "a list per frame"
                 shape = () if feature.scalar else feature.shape
                 raise ValueError(
@@ -271,7 +272,7 @@ class DatasetWriter:
                 continue
             values = np.concatenate([np.asarray(e.frames[feature.field]) for e in group])
             values = values.astype(feature.dtype, copy=False)
-            if feature.scalar:
+            if feature.plain:
                 columns[feature.key] = pa.array(values.reshape(total))
             else:
                 flat = pa.array(values.reshape(-1))
