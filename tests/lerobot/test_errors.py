@@ -73,6 +73,45 @@ def test_truncated_data_file(fixture_copy):
         _read_all(fixture_copy)
 
 
+def test_a_truncated_data_file_after_the_first_is_named_too(tmp_path):
+    """Only the first data file was read through the checked path; a later one gave pyarrow's bare error."""
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20)
+    for episode in range(2):  # two groups: two data files
+        writer.add(pattern_record(episode, image_size=None))
+        writer.flush()
+    path = tmp_path / "ds" / "data" / "chunk-000" / "file-001.parquet"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{path}: not a readable parquet file \(truncated or damaged\?\)"
+    ):
+        _read_all(tmp_path / "ds")
+
+
+def test_a_depth_video_feature_is_refused_naming_it(fixture_copy):
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    front = info["features"]["observation.images.front"]
+    front["shape"] = [1, *front["shape"][1:]] if front["shape"][0] == 3 else [*front["shape"][:2], 1]
+    front["info"]["is_depth_map"] = True
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{info_path}: feature 'observation.images.front' .* is not an RGB camera"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+def test_a_key_holding_a_slash_appends_and_replays(tmp_path):
+    key_map = KeyMap({"sensor/state": "obs/state"})
+    features = features_from_fields(PatternSpec().fields(), key_map, video=True)
+    for episode in range(3):  # each writer reopens the dataset (repair reads the per-episode stats keys)
+        writer = DatasetWriter(tmp_path / "ds", features, 20)
+        writer.add(pattern_record(episode, image_size=None))
+        writer.flush()
+    assert writer.episodes_flushed == 3
+    assert "obs/state" in LeRobotSpec(tmp_path / "ds", key_map={"sensor/state": "obs/state"}).fields()
+
+
 def test_truncated_episodes_file(fixture_copy):
     path = fixture_copy / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
     path.write_bytes(path.read_bytes()[:100])
@@ -307,3 +346,25 @@ def test_stats_aggregate_per_group_as_over_all_episodes():
     single = episode_stats(flat, False)
     np.testing.assert_allclose(single["mean"], flat.mean(0))
     np.testing.assert_allclose(single["std"], flat.std(0))
+
+
+def test_episodes_count_as_flushed_only_once_info_json_says_so(tmp_path, monkeypatch):
+    """LeRobot's reader sizes a dataset from info.json: a group counted before info.json was replaced,
+    then a SIGKILL, reported episodes LeRobot would not see (until simstream repaired the folder)."""
+    import simstream.lerobot.writer as writer_module
+
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(tmp_path / "ds", features, 20)
+    seen = []
+    write_json = writer_module.write_json
+
+    def observed(path, payload, **kwargs):
+        if Path(path).name == "info.json":
+            seen.append((writer.episodes_flushed, payload["total_episodes"]))
+        return write_json(path, payload, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_json", observed)
+    for episode in range(2):
+        writer.add(pattern_record(episode, image_size=None))
+        writer.flush()
+    assert seen == [(0, 1), (1, 2)] and writer.episodes_flushed == 2

@@ -56,7 +56,11 @@ class DatasetMeta:
         if not self.episodes:
             return []
         return sorted(
-            {c.split("/")[1] for c in self.episodes[0] if c.startswith("stats/") and c.endswith("/min")}
+            {  # a key may hold "/" itself (a key_map can name one so)
+                c[len("stats/") : -len("/min")]
+                for c in self.episodes[0]
+                if c.startswith("stats/") and c.endswith("/min")
+            }
         )
 
     def data_path(self, episode: dict[str, Any]) -> Path:
@@ -187,7 +191,12 @@ class EpisodeReader:
         wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
         import pyarrow.parquet as pq
 
-        names = set(pq.read_schema(path).names) if path.is_file() else set()
+        try:
+            names = set(pq.read_schema(path).names) if path.is_file() else set()
+        except Exception as error:
+            raise LeRobotFormatError(
+                f"{path}: not a readable parquet file (truncated or damaged?): {error}"
+            ) from error
         wanted += [k for k in ("subtask_index", "segment_id") if k in names]
         missing = [k for k in wanted if names and k not in names]
         if missing:

@@ -209,6 +209,11 @@ def features_from_info(
                 )
             if shape[0] != 3 and shape[-1] == 3:  # [H, W, C] as some converters write it
                 shape = (3, shape[0], shape[1])
+            if shape[0] != 3 or (spec.get("info") or {}).get("is_depth_map"):
+                raise LeRobotFormatError(
+                    f"{path}: feature {key!r} ({dtype}, shape {list(spec.get('shape') or ())}) is not an RGB "
+                    "camera; only 3-channel images and videos are read (depth maps are not)"
+                )
             features.append(Feature(key, key_map.field(key), dtype, shape))
         elif dtype in _TORCH and len(shape) == 1:
             features.append(Feature(key, key_map.field(key), dtype, shape, scalar=key in scalar_keys))

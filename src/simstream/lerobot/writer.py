@@ -207,12 +207,16 @@ class DatasetWriter:
         write_parquet(episodes_path, self._episodes_table(group, stats, videos, chunk, file))  # commit
         self.bytes_written += episodes_path.stat().st_size
         self.next_file += 1
-        self.episodes_flushed += len(group)
-        self.frames_flushed += sum(e.length for e in group)
         for key in stats[0]:
             previous = [self.stats[key]] if key in self.stats else []
             self.stats[key] = aggregate_stats(previous + [s[key] for s in stats])
-        self._write_meta()
+        # the counts others read as "flushed" move only once info.json says so: LeRobot's reader sizes the
+        # dataset from it, and a SIGKILL before it is replaced must not lose what was reported
+        self._write_meta(
+            self.episodes_flushed + len(group), self.frames_flushed + sum(e.length for e in group)
+        )
+        self.episodes_flushed += len(group)
+        self.frames_flushed += sum(e.length for e in group)
         return len(group)
 
     def _write_language(self) -> None:
@@ -346,8 +350,11 @@ class DatasetWriter:
         )
         return pa.table(columns)
 
-    def _write_meta(self) -> None:
-        """``stats.json`` then ``info.json``, each replaced atomically."""
+    def _write_meta(self, episodes: int | None = None, frames: int | None = None) -> None:
+        """``stats.json`` then ``info.json`` (with ``episodes`` and ``frames`` in all, default the counts
+        so far), each replaced atomically."""
+        episodes = self.episodes_flushed if episodes is None else episodes
+        frames = self.frames_flushed if frames is None else frames
         meta = self.root / "meta"
         if self.stats:
             write_json(meta / "stats.json", stats_to_json(self.stats), indent=None)
@@ -356,8 +363,8 @@ class DatasetWriter:
             "codebase_version": CODEBASE_VERSION,
             "fps": self.fps,
             "features": info_features(self.features, self.fps, self.video_codec),
-            "total_episodes": self.episodes_flushed,
-            "total_frames": self.frames_flushed,
+            "total_episodes": episodes,
+            "total_frames": frames,
             "total_tasks": len(self.tasks),
             "chunks_size": CHUNKS_SIZE,
             "data_files_size_in_mb": 100,
@@ -365,7 +372,7 @@ class DatasetWriter:
             "data_path": DATA_PATH,
             "video_path": VIDEO_PATH if has_video else None,
             "robot_type": self.robot_type,
-            "splits": {"train": f"0:{self.episodes_flushed}"},
+            "splits": {"train": f"0:{episodes}"},
         }
         write_json(meta / "info.json", info)
 
