@@ -35,12 +35,32 @@ from collections.abc import Callable, Iterator
 from multiprocessing import context, reduction
 from typing import Any, ClassVar
 
-__all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock"]
+__all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock", "with_deadline"]
 
 _SLICE_S = 0.1
 """Longest wait between two calls of a lock wait's check: a live holder keeps a lock for microseconds."""
 _FIRST_BACKOFF_S = 2e-5
 _LAST_BACKOFF_S = 1e-3
+
+
+def with_deadline(check: Callable[[], None] | None, timeout_s: float, what: str) -> Callable[[], None]:
+    """A lock wait's check that also raises ``TimeoutError`` once ``timeout_s`` seconds have passed.
+
+    A holder that died releases a :class:`SharedLock`, and a failed engine ends a wait through ``check``;
+    a holder that is stopped (SIGSTOP, a debugger) does neither, and only a deadline ends the wait.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def bounded() -> None:
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{what} was held for more than {timeout_s:g} s by another process that does not release "
+                "it (stopped, e.g. by SIGSTOP or a debugger?)"
+            )
+
+    return bounded
 
 
 class Doorbell:

@@ -192,6 +192,51 @@ def test_a_consumer_killed_holding_a_shared_lock_wedges_no_producer_and_no_owner
         engine.stop()
 
 
+def _take_and_stop(lock, taken) -> None:
+    lock.acquire(None)
+    taken.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@pytest.mark.parametrize("which", ["quota", "refill request"])
+def test_a_consumer_stopped_holding_a_shared_lock_ends_the_owners_waits_after_the_timeout(which):
+    """A stopped holder never releases (the kernel frees a lock only on death) and publishes nothing: the
+    owner's calls that take the lock end with TimeoutError after sample_wait_timeout, naming it."""
+    engine = _two_producers(
+        refill_policy="manual", episode_sample_budget=1000, episode_sample_hard_limit=1000, buffer_size=8,
+        sample_wait_timeout=1.0,
+    )  # fmt: skip
+    holder = None
+    try:
+        lock = engine._shared.quota.lock if which == "quota" else engine._shared.progress._request_lock
+        ctx = mp.get_context("fork")
+        taken = ctx.Event()
+        holder = ctx.Process(target=_take_and_stop, args=(lock, taken))
+        holder.start()
+        assert taken.wait(_BOUND_S)
+        calls = {
+            "quota": [
+                engine.get_flow_status,
+                engine.get_sampling_budget_snapshot,
+                lambda: engine.sample_batch(4, 2),
+            ],
+            "refill request": [engine.request_refill],
+        }[which]
+        name = "The quota lock" if which == "quota" else "The refill-request lock"
+        for call in calls:
+            thread, outcome = _in_thread(call)
+            thread.join(_BOUND_S)
+            assert not thread.is_alive(), f"{call} waited on a stopped holder of the {which} lock"
+            assert isinstance(outcome[0], TimeoutError), outcome
+            assert str(outcome[0]).startswith(f"{name} was held for more than 1 s by another process")
+    finally:
+        if holder is not None:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.join(_BOUND_S)
+        engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED
+
+
 def _run_script(body: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
     script = textwrap.dedent(
         """

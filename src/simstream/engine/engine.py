@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from .._memory_order import require_ordered_memory
-from .._sync import SharedFlag, SharedLock
+from .._sync import SharedFlag, SharedLock, with_deadline
 from ..buffer.gate import RecordGate
 from ..buffer.index import EPISODE, EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
@@ -340,7 +340,7 @@ class OnlineDataEngine(EngineLifecycle):
         """
         self._require_owner("request_refill")
         self._check_ready("request_refill")
-        return self._shared.request_generation()
+        return self._shared.request_generation(self.cfg.sample_wait_timeout)
 
     def wait_for_generation(self, generation: int, timeout: float = 300.0) -> None:
         """Block until ``generation`` is complete, a producer fails, or ``timeout`` seconds pass.
@@ -450,10 +450,14 @@ class OnlineDataEngine(EngineLifecycle):
         }
         quota = self._shared.quota
         if quota is not None:
-            with quota.lock.held(self._raise_if_failed):
+            with quota.lock.held(self._quota_lock_check()):
                 status["unlocked_remaining_chunks"] = quota.unlocked_remaining(self._sampleable_rows())
                 status["total_delivered_chunks"] = quota.total_delivered()
         return status
+
+    def _quota_lock_check(self):
+        """The quota lock's wait: ends on a failure, or after ``sample_wait_timeout`` (a stopped holder)."""
+        return with_deadline(self._raise_if_failed, self.cfg.sample_wait_timeout, "The quota lock")
 
     def get_sampling_budget_snapshot(self) -> dict[str, object]:
         """Per-episode quota table (published rows) and totals; raises if the engine FAILED."""
@@ -470,7 +474,7 @@ class OnlineDataEngine(EngineLifecycle):
                 "clock_origin_monotonic_ns": None,
             }
         index = self._shared.index
-        with quota.lock.held(self._raise_if_failed):
+        with quota.lock.held(self._quota_lock_check()):
             return {
                 "enabled": True,
                 "rows": quota.snapshot(~index.stable_rows()),

@@ -140,7 +140,7 @@ class EngineLifecycle:
         )
         _running_engines.add(self)
         self._supervisor.start(specs)
-        shared.request_generation()
+        shared.request_generation(self.cfg.initialization_timeout)
 
     def _wait_for_initial_fill(self) -> None:
         timeout = self.cfg.initialization_timeout

@@ -6,7 +6,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._sync import SharedFlag, SharedLock
+from .._sync import SharedFlag, SharedLock, with_deadline
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..language import SharedLanguageRegistry
@@ -63,13 +63,17 @@ class EngineShared:
         """Ring every producer's doorbell (a request, or closing). Never blocks."""
         self.progress.wake_producers()
 
-    def request_generation(self) -> int:
+    def request_generation(self, timeout_s: float) -> int:
         """Coalescing refill request: a new generation only when none is outstanding.
 
         Returns:
             The generation that will satisfy the request.
+
+        Raises:
+            TimeoutError: another requester (a stopped consumer) held the request lock ``timeout_s``.
         """
-        return self.progress.request_generation(self.raise_if_failed)
+        check = with_deadline(self.raise_if_failed, timeout_s, "The refill-request lock")
+        return self.progress.request_generation(check)
 
     def record_samples(self, count: int, refill_after: int | None) -> None:
         """Count delivered chunks; with ``refill_after`` request a generation once that many accumulated.

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from .._sync import with_deadline
 from ..buffer.index import EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
@@ -233,6 +234,8 @@ class WindowSampler:
         check_ready: Callable[[], None] | None,
         wait_s: float,
     ) -> TensorDict:
+        if self.quota is not None:  # a stopped holder of the quota lock ends the wait too, after wait_s
+            check_failed = with_deadline(check_failed, wait_s, "The quota lock")
         try:
             return self._try(request, out, check_failed)
         except DataUnavailableError as error:
