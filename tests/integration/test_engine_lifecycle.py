@@ -427,3 +427,37 @@ def test_ctrl_c_reaching_the_producers_is_left_to_the_owner():
         assert engine.state is OnlineDataEngineState.READY
         assert engine.sample_batch(4, 2).batch_size == torch.Size([4, 2])
     assert engine.state is OnlineDataEngineState.STOPPED
+
+
+@pytest.mark.parametrize("during", ["stop", "start"])
+def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(during, monkeypatch):
+    """A KeyboardInterrupt landing in stop()'s (or a failing start()'s) cleanup reaches the caller once;
+    it is not published, so a later stop() (the context manager's, the exit hook's) ends STOPPED instead
+    of raising that old Ctrl-C again, and no consumer reads it as the engine's failure."""
+    engine = OnlineDataEngine(make_cfg())
+    shutdown = engine._shutdown_workers
+    calls = []
+
+    def interrupted_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return shutdown()
+
+    monkeypatch.setattr(engine, "_shutdown_workers", interrupted_once)
+    if during == "start":
+        monkeypatch.setattr(
+            engine, "_wait_for_initial_fill", lambda: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
+        with pytest.raises(KeyboardInterrupt):
+            engine.start()  # its cleanup is interrupted too
+    else:
+        engine.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.stop()
+    assert engine._shared.channel.read() is None
+    if during == "stop":  # a start whose cleanup was cut short reads FAILED until stop() finishes it
+        assert engine.state is OnlineDataEngineState.READY
+    engine.stop()  # finishes the cleanup
+    assert engine.state is OnlineDataEngineState.STOPPED and len(calls) == 2
+    assert engine._supervisor is None or not engine._supervisor.processes

@@ -157,8 +157,9 @@ class EngineLifecycle:
     def _abort_start(self, error: BaseException) -> None:
         channel = self._shared.channel
         cancelled = self._stop_requested
-        if channel.read() is None and not cancelled:
-            # Published, so consumers see why the engine failed instead of a bare state error.
+        if channel.read() is None and not cancelled and isinstance(error, Exception):
+            # Published, so consumers see why the engine failed instead of a bare state error (a Ctrl-C
+            # of this thread is not a failure of the engine: it is raised, not published for later calls)
             channel.publish(error, "owner")
         cleanup_failure: BaseException | None = None
         try:
@@ -171,12 +172,15 @@ class EngineLifecycle:
         if published is not None and published is not error:
             add_note(error, f"Worker also failed during cleanup: {type(published).__name__}: {published}")
         cleanup_failed = cleanup_failure is not None
-        if cleanup_failed:  # FAILED always carries a published error: consumers see why, stop() raises it
+        if cleanup_failed and isinstance(cleanup_failure, Exception):
+            # FAILED always carries a published error: consumers see why, stop() raises it. A Ctrl-C in
+            # the cleanup is not published: a later stop() finishes the cleanup and ends STOPPED.
             channel.publish(cleanup_failure, "owner")
         if forced:
             channel.publish(OnlineDataWorkerError(_DURABILITY_MESSAGE), "owner")
             add_note(error, _DURABILITY_MESSAGE)
-        clean = cancelled and channel.read() is None and not cleanup_failed and not forced
+        interrupted = not isinstance(error, Exception)  # Ctrl-C: the start is cancelled, not failed
+        clean = (cancelled or interrupted) and channel.read() is None and not cleanup_failed and not forced
         with self._lifecycle:
             self._set_state(State.STOPPED if clean else State.FAILED)
             self._lifecycle.notify_all()
@@ -252,6 +256,11 @@ class EngineLifecycle:
         try:
             forced = self._shutdown_workers()
         except BaseException as cleanup_error:
+            if not isinstance(cleanup_error, Exception):
+                # Ctrl-C (or an exit) in this thread during the cleanup: no failure of the engine, so
+                # nothing is published and the state stays; a later stop() (the context manager's, the
+                # exit hook's) finishes the cleanup and ends STOPPED
+                raise
             # the error is on the channel before the state says FAILED: a consumer that reads FAILED
             # finds the error it must raise (it reads the state first)
             error = channel.error() or error
