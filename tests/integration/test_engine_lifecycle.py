@@ -461,3 +461,35 @@ def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(
     engine.stop()  # finishes the cleanup
     assert engine.state is OnlineDataEngineState.STOPPED and len(calls) == 2
     assert engine._supervisor is None or not engine._supervisor.processes
+
+
+def test_a_stop_inside_this_threads_own_stop_or_start_asks_and_returns(monkeypatch):
+    """A signal handler runs in the thread it interrupts: its stop() inside stop() ran a second shutdown
+    within the first (the engine ended FAILED), and inside start() it waited for the start it had
+    interrupted (shutdown_timeout + 10 s). Now it asks them to stop and returns; they finish cleanly."""
+    engine = OnlineDataEngine(make_cfg(shutdown_timeout=5.0))
+    engine.start()
+    shutdown, nested = engine._shutdown_workers, []
+
+    def shutdown_with_a_handlers_stop():
+        engine.stop()  # as a SIGALRM/SIGTERM handler calling stop() would
+        nested.append(engine.state)
+        return shutdown()
+
+    monkeypatch.setattr(engine, "_shutdown_workers", shutdown_with_a_handlers_stop)
+    engine.stop()
+    assert nested == [OnlineDataEngineState.READY] and engine.state is OnlineDataEngineState.STOPPED
+
+    starting = OnlineDataEngine(make_cfg(shutdown_timeout=5.0))
+    fill = starting._wait_for_initial_fill
+
+    def fill_with_a_handlers_stop():
+        starting.stop()  # returns at once, leaving the shutdown to the start it interrupted
+        nested.append((starting.state, starting._supervisor is not None))
+        return fill()
+
+    monkeypatch.setattr(starting, "_wait_for_initial_fill", fill_with_a_handlers_stop)
+    with pytest.raises(RuntimeError, match=r"OnlineDataEngine.start\(\) was cancelled by stop\(\)"):
+        starting.start()
+    assert nested[1] == (OnlineDataEngineState.STARTING, True)
+    assert starting.state is OnlineDataEngineState.STOPPED

@@ -74,6 +74,8 @@ class OnlineDataEngine(EngineLifecycle):
         self._owner_pid = os.getpid()
         self._lifecycle = threading.Condition(threading.RLock())
         self._stop_requested = False
+        self._busy_thread: int | None = None
+        """The thread inside start() or stop() (a signal handler's stop() there must not wait for it)."""
         self._cleanup_complete = False
         self._forced_shutdown = False
         self._supervisor = None

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -102,6 +103,7 @@ class EngineLifecycle:
             self._stop_requested = False
             self._set_state(State.STARTING)
             self._lifecycle.notify_all()
+        self._busy_thread = threading.get_ident()
         try:
             self._launch_workers()
             self._wait_for_initial_fill()
@@ -112,6 +114,8 @@ class EngineLifecycle:
         except BaseException as error:
             self._abort_start(error)
             raise
+        finally:
+            self._busy_thread = None
 
     def _launch_workers(self) -> None:
         shared, cfg = self._shared, self.cfg
@@ -222,6 +226,14 @@ class EngineLifecycle:
                 the engine is then FAILED.
         """
         self._require_owner("stop")
+        if getattr(self, "_busy_thread", None) == threading.get_ident():
+            # called inside this thread's own start() or stop(), by a signal handler: waiting for them
+            # would wait for itself; asking them to stop is all this call can do, and they finish it
+            self._stop_requested = True
+            self._shared.close_flag.set()
+            self._shared.wake_all()
+            self._shared.progress.notify()
+            return
         with self._lifecycle:
             state = self.state
             if state is State.STOPPED:
@@ -246,7 +258,11 @@ class EngineLifecycle:
                 # start() failed after all (a source's close() raised, or a worker had to be forced):
                 # its cleanup is done, and this stop() raises what the channel holds, once
                 state = self.state
-            self._stop_running(state)
+            self._busy_thread = threading.get_ident()
+            try:
+                self._stop_running(state)
+            finally:
+                self._busy_thread = None
 
     def _stop_running(self, state: State) -> None:
         channel = self._shared.channel
