@@ -299,8 +299,20 @@ def test_sample_batch_out_is_checked_before_any_write():
         first_key = "/".join(engine._sampler.gatherer._paths[0])
         with pytest.raises(KeyError, match=f"out has no tensor at '{first_key}'"):
             engine.sample_batch(3, 4, out=out.exclude(engine._sampler.gatherer._paths[0]))
-        with pytest.raises(ValueError, match=r"must be a contiguous .* of shape \(3, 5"):
+        with pytest.raises(
+            ValueError, match=r"out must be a TensorDict of batch size \[3, 5\] .* got \[3, 4\]"
+        ):
             engine.sample_batch(3, 5, out=out)
+        flat = out.clone()
+        flat.batch_size = [3]  # leaves of the right shapes: its torn-item redraws read the window length
+        with pytest.raises(ValueError, match=r"out must be a TensorDict of batch size \[3, 4\] .* got \[3\]"):
+            engine.sample_batch(3, 4, out=flat)
+        # refused before anything is drawn: the generator gives the windows it would have given
+        drawn = torch.Generator().manual_seed(5)
+        with pytest.raises(ValueError):
+            engine.sample_batch(3, 5, generator=drawn, out=out)
+        fresh = engine.sample_batch(3, 4, generator=torch.Generator().manual_seed(5))
+        assert (engine.sample_batch(3, 4, generator=drawn) == fresh).all()
         wrong_dtype = out.clone()
         wrong_dtype.set("valid", wrong_dtype.get("valid").to(torch.int64))
         with pytest.raises(ValueError, match=r"out\['valid'\] must be a contiguous torch.bool tensor"):

@@ -333,6 +333,16 @@ def test_bad_keys_are_refused_before_anything_is_copied(keys, error, message):
     assert not any(bool(leaf.any()) for leaf in out.values(include_nested=True, leaves_only=True))
 
 
+def test_a_bare_tuple_is_refused_even_after_the_list_of_its_names_was_resolved():
+    """The resolved keys are cached by their names: the bare tuple found the list's entry and was read as
+    two keys once a list call had come first."""
+    harness = Harness(rows=1, steps=STEPS)
+    harness.publish(0, Episode(length=8))
+    harness.sampler.sample_chunks(2, 4, "episode", None, keys=["obs", "actions"])
+    with pytest.raises(ValueError, match=r"keys=\('obs', 'actions'\) is ambiguous"):
+        harness.sampler.sample_chunks(2, 4, "episode", None, keys=("obs", "actions"))
+
+
 def test_out_on_another_device_is_refused_before_anything_is_written():
     """A batch moved to a device (``batch.to("cuda")``) is no ``out`` for a CPU buffer; ``meta`` stands in
     for a GPU here."""

@@ -260,6 +260,10 @@ class BatchGatherer:
         self._copy(frames, targets, columns)
         return layout.tensordict(leaves)
 
+    def check_out(self, out: TensorDict, n: int, length: int, columns: tuple[int, ...] | None) -> None:
+        """Raise as :meth:`gather` would for ``out`` (before anything is drawn or written)."""
+        self._out_targets(out, n, length, self._every if columns is None else columns)
+
     def _out_targets(
         self, out: TensorDict, n: int, length: int, columns: tuple[int, ...]
     ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
@@ -267,6 +271,12 @@ class BatchGatherer:
 
         The flat view a per-frame gather needs is made by :meth:`_copy` for the keys that use it.
         """
+        if not isinstance(out, TensorDict) or tuple(out.batch_size[:2]) != (n, length):
+            raise ValueError(
+                f"out must be a TensorDict of batch size [{n}, {length}] (a batch from sample_batch with "
+                f"the same batch_size and chunk_size), got "
+                f"{list(out.batch_size) if isinstance(out, TensorDict) else type(out).__name__}"
+            )
         # one pass over out's leaves: a nested ``out.get`` per key cost more than the checks
         leaves = {
             key if type(key) is tuple else (key,): leaf

@@ -181,13 +181,13 @@ class WindowSampler:
         """The stored keys ``keys`` names plus ``valid`` (``derived``: names the sampler adds itself)."""
         if keys is None:
             return None
+        refuse_ambiguous_keys(keys)  # before the cache: a bare tuple and the list of its names share a key
         try:  # a request names the same keys batch after batch: resolve them once
             cache_key = (tuple(keys) if isinstance(keys, list) else keys, derived)
             columns = self._selections.get(cache_key)
         except TypeError:  # an unhashable entry, which select_keys reports
             cache_key, columns = None, None
         if columns is None:
-            refuse_ambiguous_keys(keys)
             entries = [keys] if isinstance(keys, str) else keys
             if derived and isinstance(entries, (list, tuple)):
                 entries = [key for key in entries if not (isinstance(key, str) and key in derived)]
@@ -234,6 +234,8 @@ class WindowSampler:
         check_ready: Callable[[], None] | None,
         wait_s: float,
     ) -> TensorDict:
+        if out is not None:  # refused before anything is drawn: the caller's generator stays where it was
+            self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
         if self.quota is not None:  # a stopped holder of the quota lock ends the wait too, after wait_s
             check_failed = with_deadline(check_failed, wait_s, "The quota lock")
         try:
