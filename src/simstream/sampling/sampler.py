@@ -237,7 +237,7 @@ class WindowSampler:
         if out is not None:  # refused before anything is drawn: the caller's generator stays where it was
             self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
         if self.quota is not None:  # a stopped holder of the quota lock ends the wait too, after wait_s
-            check_failed = with_deadline(check_failed, wait_s, "The quota lock")
+            self._lock_wait_s = max(wait_s, 1.0)
         try:
             return self._try(request, out, check_failed)
         except DataUnavailableError as error:
@@ -274,7 +274,11 @@ class WindowSampler:
     def _sample_with_quota(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
         quota = self.quota
         batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
-        with quota.lock.held(check_failed):
+        # the lock's wait alone is bounded by the request's wait (a stopped holder); a deadline on every
+        # check would fail a request that simply took long
+        with quota.lock.held(
+            with_deadline(check_failed, getattr(self, "_lock_wait_s", 1.0), "The quota lock")
+        ):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
                 row_filter = self._rows_of(generations)
