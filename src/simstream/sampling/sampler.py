@@ -236,25 +236,24 @@ class WindowSampler:
     ) -> TensorDict:
         if out is not None:  # refused before anything is drawn: the caller's generator stays where it was
             self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
-        if self.quota is not None:  # a stopped holder of the quota lock ends the wait too, after wait_s
-            self._lock_wait_s = max(wait_s, 1.0)
+        lock_wait_s = max(wait_s, 1.0)  # a stopped holder of the quota lock ends the wait too, after it
         try:
-            return self._try(request, out, check_failed)
+            return self._try(request, out, check_failed, lock_wait_s)
         except DataUnavailableError as error:
             unavailable = error
         retries = _Retries(self.tables.views().version, wait_s)
         while retries.next_try(check_ready):
             try:
-                return self._try(request, out, check_failed)
+                return self._try(request, out, check_failed, lock_wait_s)
             except DataUnavailableError as error:
                 unavailable = error
             if retries.hopeless():
                 break
         raise unavailable
 
-    def _try(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
+    def _try(self, request: _Request, out: TensorDict | None, check_failed, lock_wait_s: float) -> TensorDict:
         if self.quota is not None:
-            return self._sample_with_quota(request, out, check_failed)
+            return self._sample_with_quota(request, out, check_failed, lock_wait_s)
         columns = request.columns
         selection = self._select(request, request.batch_size)
         batch = self.gatherer.gather(request.frames(selection), out, columns)
@@ -271,14 +270,14 @@ class WindowSampler:
             f"{request.unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
         )
 
-    def _sample_with_quota(self, request: _Request, out: TensorDict | None, check_failed) -> TensorDict:
+    def _sample_with_quota(
+        self, request: _Request, out: TensorDict | None, check_failed, lock_wait_s: float
+    ) -> TensorDict:
         quota = self.quota
         batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
         # the lock's wait alone is bounded by the request's wait (a stopped holder); a deadline on every
         # check would fail a request that simply took long
-        with quota.lock.held(
-            with_deadline(check_failed, getattr(self, "_lock_wait_s", 1.0), "The quota lock")
-        ):
+        with quota.lock.held(with_deadline(check_failed, lock_wait_s, "The quota lock")):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
                 row_filter = self._rows_of(generations)
