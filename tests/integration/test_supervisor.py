@@ -103,3 +103,36 @@ def test_a_monitor_that_does_not_stop_keeps_the_processes_open_until_it_does():
         release.set()
     report = supervisor.shutdown(30.0)
     assert report.monitor_stopped and supervisor.processes == {}
+
+
+@pytest.mark.parametrize("method", mp.get_all_start_methods())
+def test_exit_statuses_stay_readable_while_a_shutdown_waits_for_its_workers(method):
+    """``get_stats()`` and the sampling liveness check call ``dead_workers()`` while ``stop()`` waits for
+    slow workers: they must get an answer, not wait out the whole shutdown."""
+    ctx = mp.get_context(method)
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
+    process = supervisor.processes["slow"]
+    joining, join = threading.Event(), process.join
+
+    def join_and_tell(timeout=None):
+        joining.set()
+        return join(timeout)
+
+    process.join = join_and_tell
+    reports = []
+    shutdown = threading.Thread(target=lambda: reports.append(supervisor.shutdown(60.0)))
+    shutdown.start()
+    try:
+        assert joining.wait(30.0), "shutdown() never began to wait for the worker"
+        answers = []
+        reader = threading.Thread(target=lambda: answers.append(supervisor.dead_workers()))
+        reader.start()
+        reader.join(20.0)
+        assert not reader.is_alive(), "dead_workers() waited for the shutdown"
+        assert answers == [[]] and shutdown.is_alive()
+    finally:
+        stop.set()
+        shutdown.join(60.0)
+    assert reports[0].exitcodes == {"slow": 0} and not reports[0].forced

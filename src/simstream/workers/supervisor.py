@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_JOIN_SLICE_S = 0.05
+"""How long a stop holds the status lock per wait for a worker (see ``WorkerSupervisor._join_all``)."""
 
 
 def worker_entry(
@@ -305,21 +307,19 @@ class WorkerSupervisor:
     def shutdown(self, timeout_s: float, *, terminate_join_s: float = 3.0) -> ShutdownReport:
         """Join every worker within ``timeout_s``, then terminate, then kill the stragglers."""
         report = ShutdownReport()
-        with self._status_lock:
-            deadline = time.monotonic() + timeout_s
-            for process in self._processes.values():
-                process.join(max(0.0, deadline - time.monotonic()))
-            for escalate, join_s in (("terminate", terminate_join_s), ("kill", 1.0)):
+        self._join_all(list(self._processes.values()), timeout_s)
+        for escalate, join_s in (("terminate", terminate_join_s), ("kill", 1.0)):
+            with self._status_lock:
                 alive = [p for p in self._processes.values() if p.is_alive()]
-                if not alive:
-                    break
-                report.forced = True
-                self._forcing.set()
-                for process in alive:
-                    logger.warning("worker %s did not exit in time; calling %s()", process.name, escalate)
-                    getattr(process, escalate)()
-                for process in alive:
-                    process.join(join_s)
+            if not alive:
+                break
+            report.forced = True
+            self._forcing.set()
+            for process in alive:
+                logger.warning("worker %s did not exit in time; calling %s()", process.name, escalate)
+                getattr(process, escalate)()
+            self._join_all(alive, join_s)
+        with self._status_lock:
             report.exitcodes = {label: p.exitcode for label, p in self._processes.items()}
             report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
         report.monitor_stopped = self.stop_monitor()
@@ -331,6 +331,20 @@ class WorkerSupervisor:
                 self._exits = select.poll()  # closed sentinels' numbers may be reused
                 self._exit_read.clear()
         return report
+
+    def _join_all(self, processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
+        """Join ``processes`` within ``timeout_s``, holding the status lock only for short slices, so that
+        :meth:`dead_workers` (``get_stats()``, a sampling thread's liveness check) waits at most one slice
+        while a stop waits for its workers."""
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            while True:
+                with self._status_lock:
+                    process.join(max(0.0, min(_JOIN_SLICE_S, deadline - time.monotonic())))
+                    if process.exitcode is not None:
+                        break
+                if time.monotonic() >= deadline:
+                    break
 
     def stop_monitor(self, timeout_s: float = 1.0) -> bool:
         """Stop the monitor thread; ``False`` if it did not stop in time."""
