@@ -207,7 +207,7 @@ class EngineLifecycle:
             return
         dead = supervisor.dead_workers()
         if shared.close_flag.is_set():
-            # stop() began meanwhile (dead_workers() waits while shutdown() joins the workers): these
+            # stop() began meanwhile (it may have joined workers while dead_workers() ran): these
             # are the graceful exits it asked for, and stop() itself reports any death before it
             return
         for label, code in dead:
