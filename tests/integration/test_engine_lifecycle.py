@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
+from simstream.sampling.gather import physical_memory
 from tests.support.engines import make_cfg
 from tests.support.processes import wait_for_exit
 from tests.support.sources import ScriptedSpec
@@ -272,6 +273,20 @@ def test_sampling_argument_errors():
         with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got True"):
             engine.sample_batch_with_context(True, 2, 2)
         assert engine.sample_batch(np.int64(3), np.int32(2)).batch_size == torch.Size([3, 2])
+        # a batch larger than the machine's memory is refused before anything is drawn
+        memory, per_frame = physical_memory(), engine._sampler.gatherer._all_frame_bytes
+        generator = torch.Generator().manual_seed(5)
+        state = generator.get_state()
+        too_big = (
+            r"batch_size=10{12} with 4 frames per item needs .* GiB for one batch, more than this machine's "
+            rf".* GiB of memory: batch_size can be at most {memory // (4 * per_frame)} here"
+        )
+        with pytest.raises(ValueError, match=too_big):
+            engine.sample_batch(10**12, 4, generator=generator)
+        assert torch.equal(generator.get_state(), state)
+        fits = memory // (5 * (2 * 4 + 1))  # actions: 2 float32, plus valid: 1 bool (loss_mask is derived)
+        with pytest.raises(ValueError, match=rf"with 5 frames per item .* at most {fits} here"):
+            engine.sample_batch_with_context(10**12, 3, 3, keys="actions")
         with pytest.raises(ValueError, match="sampling_mode must be 'episode', 'segment', or 'boundary'"):
             engine.sample_batch(1, 2, "frames")
         with pytest.raises(ValueError, match="boundary sampling requires chunk_size >= 2"):

@@ -196,9 +196,9 @@ class OnlineDataEngine(EngineLifecycle):
             A TensorDict ``[batch_size, chunk_size]`` with the copied keys, owning its memory.
 
         Raises:
-            ValueError: an argument is out of range, an entry of ``keys`` is not a key, or a copied key
-                of ``out`` is not a contiguous tensor of the buffer's dtype and shape
-                ``[batch_size, chunk_size, *frame]``.
+            ValueError: an argument is out of range, the batch needs more bytes than the machine's
+                memory, an entry of ``keys`` is not a key, or a copied key of ``out`` is not a contiguous
+                tensor of the buffer's dtype and shape ``[batch_size, chunk_size, *frame]``.
             KeyError: a key of ``keys`` names nothing in the buffer (the message lists the buffer's
                 keys), or ``out`` has no tensor at a copied key. Nothing is copied.
             DataUnavailableError: no eligible window (producers keep running); after the bounded wait

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 from tensordict import TensorDict
@@ -30,6 +30,12 @@ __all__ = ["ArenaPool", "BatchGatherer", "BatchLayout", "ChunkFrames", "empty_ba
 
 _ALIGN = 64
 """Byte alignment of each key inside an arena (a cache line; any dtype's element size divides it)."""
+
+
+@cache
+def physical_memory() -> int:
+    """Bytes of physical memory on this machine (the bound of one batch, see ``BatchGatherer.check_fits``)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
@@ -197,6 +203,7 @@ class BatchGatherer:
         self._dtypes = tuple(spec.dtype for spec in storage.specs)
         self._frames = tuple(spec.frame_shape for spec in storage.specs)
         self._frame_bytes = [source[0].numel() * source.element_size() for source in self._sources]
+        self._all_frame_bytes = sum(self._frame_bytes)
         self._every = tuple(range(len(self._paths)))
         self._layouts: dict[tuple[int, int, tuple[int, ...]], BatchLayout] = {}
         self._windows: dict[int, list[torch.Tensor | None]] = {}
@@ -259,6 +266,21 @@ class BatchGatherer:
         targets, leaves = self.pool.acquire(key, layout.nbytes, lambda base: _targets(layout, base))
         self._copy(frames, targets, columns)
         return layout.tensordict(leaves)
+
+    def check_fits(self, n: int, length: int, columns: tuple[int, ...] | None) -> None:
+        """Refuse a batch ``[n, length]`` of the selected keys that needs more bytes than this machine's
+        memory, before anything is drawn (it would fail or be OOM-killed half-way through the copy)."""
+        memory = physical_memory()
+        if n * length * self._all_frame_bytes <= memory:
+            return
+        per_item = length * sum(self._frame_bytes[i] for i in (self._every if columns is None else columns))
+        if n * per_item <= memory:
+            return
+        raise ValueError(
+            f"batch_size={n} with {length} frames per item needs {n * per_item / 2**30:.1f} GiB for one "
+            f"batch, more than this machine's {memory / 2**30:.1f} GiB of memory: batch_size can be at most "
+            f"{memory // per_item} here (or copy fewer keys with keys=)."
+        )
 
     def check_out(self, out: TensorDict, n: int, length: int, columns: tuple[int, ...] | None) -> None:
         """Raise as :meth:`gather` would for ``out`` (before anything is drawn or written)."""

@@ -125,6 +125,8 @@ class WindowSampler:
         being written (``check_ready`` before each retry).
         """
         columns = self._columns(keys, ())
+        if out is None:
+            self.gatherer.check_fits(batch_size, chunk_size, columns)
         steps = self.storage.max_steps
 
         def frames(selection: WindowSelection) -> ChunkFrames:
@@ -156,6 +158,7 @@ class WindowSampler:
         ``keys`` as in :meth:`sample_chunks`; ``loss_mask`` is always added (and may be named).
         """
         columns = self._columns(keys, ("loss_mask",))
+        self.gatherer.check_fits(batch_size, history_length + prediction_horizon - 1, columns)
         steps, pad = self.storage.max_steps, self.storage.pad_index
         positions = np.arange(history_length + prediction_horizon - 1) - (history_length - 1)
         wanted = None if generations is None else np.asarray(generations, dtype=np.int64)
