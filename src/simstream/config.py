@@ -108,7 +108,8 @@ class OnlineDataEngineCfg:
     action_contracts: tuple[str, ...] | None = None
     """Ordered action contract IDs (``policy_request`` only)."""
     shutdown_timeout: float = 5.0
-    """Seconds ``stop()`` waits for a graceful worker exit before terminate/kill, in ``(0, 1e6]``."""
+    """Seconds ``stop()`` waits for a graceful worker exit before terminate/kill, in ``(0, 1e6]`` (with the
+    Ray backend, the sources' ``close()`` gets this long and the ingest process 5 s more to leave Ray)."""
     sample_wait_timeout: float = 60.0
     """Seconds a ``sample_batch`` that finds no eligible window waits while producers are rewriting rows
     that may hold one, in ``(0, 1e6]``; it checks the producers before every retry and gives up at once

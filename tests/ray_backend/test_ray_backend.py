@@ -403,3 +403,49 @@ def test_sim_node_lost_and_added_again(cluster):
         assert [p["node_id"] for p in producers] == [new_node.node_id] * 2
         assert [p["restarts"] for p in producers] == [1, 1]
         assert_chunks_are_consecutive_frames_of_one_episode(engine.sample_batch(32, 6))
+
+
+def test_an_actor_lost_while_idle_is_restarted_without_a_refill_and_stop_stays_clean(cluster):
+    """No window call is outstanding to report the loss: the actor's watch call does."""
+    with OnlineDataEngine(ray_cfg()) as engine:  # manual refills: idle after the first fill
+        victim = engine.get_stats()["producers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(
+            lambda: engine.get_stats()["producers"][0]["restarts"] == 1, "the idle actor's loss to be seen"
+        )
+        wait_for(
+            lambda: engine.get_stats()["producers"][0]["pid"] not in (0, victim["pid"]), "its replacement"
+        )
+        producers = engine.get_stats()["producers"]
+        assert producers[0]["alive"] and producers[0]["node_id"] == sim_node_id(cluster)
+        assert producers[1]["restarts"] == 0
+        engine.check_health()
+    assert engine.state is OnlineDataEngineState.STOPPED
+
+
+def test_a_source_close_may_take_nearly_all_of_shutdown_timeout(cluster):
+    """As a local producer's: the ingest kills its actors and leaves Ray after the closes, not within."""
+    engine = OnlineDataEngine(ray_cfg(ScriptedSpec(close_s=3.0), shutdown_timeout=5.0))
+    engine.start()
+    engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED
+
+
+def test_an_error_the_trainer_cannot_unpickle_fails_the_engine_instead_of_restarting(cluster, tmp_path):
+    """Its class exists only where the producer runs: Ray's UnserializableException is not a lost actor."""
+    (tmp_path / "simstream_node_only_error.py").write_text("class NodeOnlyError(Exception):\n    pass\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(tmp_path), root])}}
+    backend = RayBackend(resources={"sim": 1}, max_restarts=2, restart_delay_s=0.0, runtime_env=runtime_env)
+    engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="node_only"), backend, num_workers=1))
+    try:
+        with pytest.raises(RayProducerError) as raised:
+            engine.start()
+        message = str(raised.value)
+        assert message.startswith(f"Ray producer producer-0 on node {sim_node_id(cluster)}: Ray could not ")
+        assert (
+            "UnserializableException" in message and "failed after 0 restart(s) of max_restarts=2" in message
+        )
+        assert raised.value.restarts == 0
+    finally:
+        stop_quietly(engine)

@@ -54,7 +54,8 @@ class ScriptedSpec:
     fault: str | None = None
     """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise,
     unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten),
-    sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop)."""
+    sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop), node_only
+    (raises ``NodeOnlyError`` of a module ``simstream_node_only_error`` that only the producer can import)."""
     fault_after: int = 0
     """Rollouts that succeed before the fault fires (per worker)."""
     fault_worker: int = 0
@@ -64,6 +65,8 @@ class ScriptedSpec:
     """More fields; every element of frame ``t`` holds ``t``."""
     rollout_s: float = 0.0
     """Seconds every rollout takes (a slow simulator)."""
+    close_s: float = 0.0
+    """Seconds ``close()`` takes (a recorder flushing)."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -109,6 +112,10 @@ class ScriptedSource:
                 threading.Event().wait(0.02)
         if kind == "sys_exit":
             sys.exit("the simulator gave up")
+        if kind == "node_only":
+            import simstream_node_only_error
+
+            raise simstream_node_only_error.NodeOnlyError("raised by a class only the producer's node has")
 
     def rollout(self, rows, *, attempt: int, should_stop):
         if self.spec.rollout_s:
@@ -160,6 +167,8 @@ class ScriptedSource:
         return episodes
 
     def close(self) -> None:
+        if self.spec.close_s:
+            threading.Event().wait(self.spec.close_s)
         if self.spec.close_fault == "raise":
             raise OSError("flush failed while closing the source")
         if self.spec.close_fault == "hang":

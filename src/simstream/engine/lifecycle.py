@@ -16,6 +16,7 @@ import time
 import weakref
 
 from ..errors import OnlineDataWorkerError, add_note
+from ..ray.backend import RAY_LEAVE_S
 from ..workers.channel import describe_exit
 from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
 from .state import OnlineDataEngineState as State
@@ -331,7 +332,10 @@ class EngineLifecycle:
         supervisor = self._supervisor
         if supervisor is None:
             return False
-        report = supervisor.shutdown(self.cfg.shutdown_timeout)
+        timeout = self.cfg.shutdown_timeout
+        if self.cfg.backend is not None:  # the Ray ingest kills its actors and leaves Ray after the closes
+            timeout += RAY_LEAVE_S
+        report = supervisor.shutdown(timeout)
         self._forced_shutdown = self._forced_shutdown or report.forced
         if report.still_alive:
             raise RuntimeError(

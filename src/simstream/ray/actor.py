@@ -51,7 +51,7 @@ class ProducerActor:
 
     Calls of the default group run one at a time, in submission order and in one thread (the owner keeps
     a few in flight); :meth:`stop` runs in a separate ``control`` group so it can end a rollout in
-    progress.
+    progress, and :meth:`watch` in a ``watch`` group of its own.
     """
 
     def __init__(
@@ -136,6 +136,12 @@ class ProducerActor:
         """Make a rollout in progress (and every later call) return early. Runs in the ``control`` group,
         beside a rollout; :meth:`close` then runs in the thread that built the source."""
         self._stop.set()
+
+    def watch(self, timeout_s: float) -> None:
+        """Return after ``timeout_s`` or once :meth:`stop` ran. Runs in the ``watch`` group: the ingest
+        keeps one such call outstanding per actor, so an actor that dies while idle (no window call to
+        fail) is seen as lost, and restarted, at once."""
+        self._stop.wait(timeout_s)
 
     def close(self) -> None:
         """Close the source (its errors are durability failures), in the thread that built and ran it:

@@ -9,7 +9,14 @@ from numbers import Real
 
 from .._validation import require, require_int, require_number
 
-__all__ = ["MAX_CALLS_IN_FLIGHT", "MAX_RESTARTS", "RayBackend", "RayProducerError", "backend_from_flags"]
+__all__ = [
+    "MAX_CALLS_IN_FLIGHT",
+    "MAX_RESTARTS",
+    "RAY_LEAVE_S",
+    "RayBackend",
+    "RayProducerError",
+    "backend_from_flags",
+]
 
 MAX_RESTARTS = 10_000
 MAX_CALLS_IN_FLIGHT = 64
@@ -154,6 +161,12 @@ class RayBackend:
             "None or a mapping (a Ray runtime environment)",
             self.runtime_env,
         )
+
+
+RAY_LEAVE_S = 5.0
+"""How much longer than ``shutdown_timeout`` the owner's ``stop()`` waits for the Ray ingest process: the
+sources' ``close()`` may take all of ``shutdown_timeout``, then the actors are killed and Ray is left (a
+cluster the ingest started itself takes a few seconds to stop)."""
 
 
 class RayProducerError(RuntimeError):

@@ -42,7 +42,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import (
+    GetTimeoutError,
+    NodeDiedError,
+    ObjectLostError,
+    OutOfMemoryError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 
 from ..config import OnlineDataEngineCfg
 from ..engine.publisher import Closing, WindowPublisher
@@ -59,6 +68,14 @@ logger = logging.getLogger(__name__)
 
 _SLICE_S = 0.05
 """Longest single wait on Ray or on a refill request; every slice ends with the stop and failure checks."""
+_WATCH_POLL_S = 0.5
+"""How often the ingest looks at its actors' watch calls: a lost idle actor is restarted this late at most."""
+_WATCH_CALL_S = 30.0
+"""Longest single watch call; a call that returned is renewed."""
+_LOSSES = (RayActorError, NodeDiedError, ObjectLostError, OutOfMemoryError, WorkerCrashedError)
+"""Ray's errors for a producer that is gone (its process, its node or its result): restarted. Any other
+``RayError`` (a result that cannot be deserialized here, a runtime environment that cannot be set up, ...)
+would fail the same way again: the engine fails with Ray's error."""
 _DURABILITY_MESSAGE = (
     "OnlineDataEngine Ray producer did not close its source in time and was killed; graceful close and "
     "recorder durability could not be confirmed."
@@ -93,10 +110,13 @@ def run_ingest(
         gc.freeze()
         producers.run()
     finally:
-        # half the owner's budget: the actors' kills and leaving Ray must fit in before it terminates us
-        report = producers.shutdown(cfg.shutdown_timeout / 2)
+        # the sources' close() has shutdown_timeout, as a local producer's; the owner waits RAY_LEAVE_S
+        # longer for this process, for the actors' kills and leaving Ray
+        report = producers.shutdown(cfg.shutdown_timeout)
         if report.forced:
-            shared.channel.publish(OnlineDataWorkerError(_DURABILITY_MESSAGE), "ray-ingest")
+            shared.channel.publish_durability_failure(
+                OnlineDataWorkerError(_DURABILITY_MESSAGE), "ray-ingest"
+            )
         shared.progress.notify()
 
 
@@ -117,6 +137,8 @@ class _Producer:
     starts: list[int]
     actor: object = None
     build_ref: object = None
+    watch_ref: object = None
+    """The outstanding :meth:`ProducerActor.watch` call: fails as soon as the actor is lost."""
     node_id: str | None = None
     pid: int = 0
     restarts: int = 0
@@ -167,6 +189,7 @@ class RayProducers:
         self._owner_gone = owner_watch()
         self._initialized_ray = False
         self._actor_class = None
+        self._next_watch_check = 0.0
         self._producers = [
             _Producer(worker, window_starts(start, end, num_envs))
             for worker, (start, end) in enumerate(cfg.worker_row_ranges(num_envs))
@@ -181,7 +204,7 @@ class RayProducers:
         if not ray.is_initialized():
             ray.init(address=self._address, logging_level=logging.WARNING)
             self._initialized_ray = True
-        self._actor_class = ray.remote(concurrency_groups={"control": 1})(ProducerActor)
+        self._actor_class = ray.remote(concurrency_groups={"control": 1, "watch": 1})(ProducerActor)
         for producer in self._producers:
             self._start_actor(producer)
 
@@ -232,7 +255,7 @@ class RayProducers:
     def _kill(self, producer: _Producer) -> None:
         actor, producer.actor = producer.actor, None
         producer.calls.clear()
-        producer.build_ref = None
+        producer.build_ref = producer.watch_ref = None
         if actor is None:
             return
         try:
@@ -261,8 +284,19 @@ class RayProducers:
                 ray.get(ref, timeout=0)
             except RayTaskError as error:
                 self._shared.channel.publish_durability_failure(_original(error), producer.label)
-            except RayError as error:  # the actor died while closing: durability unconfirmed
-                logger.warning("%s died while closing: %s", producer.label, error)
+            except _LOSSES as error:  # gone before or while closing: its close() is unconfirmed
+                message = (
+                    f"Ray producer {producer.label} on node {producer.node_id or 'unknown'} was lost before "
+                    f"its source's close() returned ({_describe(error)}): recorder durability could not be "
+                    "confirmed."
+                )
+                logger.warning(message)
+                self._shared.channel.publish_durability_failure(
+                    RayProducerError(message, producer.label, producer.node_id, producer.restarts),
+                    producer.label,
+                )
+            except RayError as error:
+                logger.warning("%s could not report its close(): %s", producer.label, error)
                 report.forced = True
 
     # -- the ingest loop -----------------------------------------------------------------------------
@@ -275,6 +309,7 @@ class RayProducers:
         try:
             while not self._closing() and not self._shared.channel.is_set():
                 now = time.monotonic()
+                self._check_watches(now)
                 for producer in self._producers:
                     self._issue(producer, now)
                     self._check_timeout(producer, now)
@@ -340,15 +375,23 @@ class RayProducers:
             self._publish_held(producer)  # the windows before the failing one are visible, as locally
             self._shared.channel.publish(_original(error), producer.label)
             raise Closing from None
-        except RayError as error:  # the actor, its node or the result was lost
+        except _LOSSES as error:  # the actor, its node or the result was lost
             self._lost(producer, error)
             return
+        except GetTimeoutError:  # ready, but its copy left this node meanwhile: waited on again
+            return
+        except RayError as error:
+            self._publish_held(producer)
+            self._fail(
+                producer, producer.node_id, f"Ray could not deliver its result ({_describe(error)})", "failed"
+            )
         now = time.monotonic()
         if ref is producer.build_ref:
             producer.build_ref = None
             producer.node_id, producer.pid = value["node_id"], value["pid"]
             self._shared.progress.set_worker_pid(producer.index, producer.pid)
             self._shared.progress.set_worker_node(producer.index, producer.node_id)
+            self._watch(producer)
             return
         call = producer.calls.popleft()
         producer.head_since = now
@@ -468,6 +511,31 @@ class RayProducers:
             producer.restarts,
             self._backend.max_restarts,
         )
+
+    def _watch(self, producer: _Producer) -> None:
+        watch = producer.actor.watch.options(concurrency_group="watch")
+        producer.watch_ref = watch.remote(_WATCH_CALL_S)
+
+    def _check_watches(self, now: float) -> None:
+        """Every ``_WATCH_POLL_S``: restart the producers whose actor was lost while no window call of theirs
+        was outstanding to report it; renew the watch calls that returned."""
+        if now < self._next_watch_check:
+            return
+        self._next_watch_check = now + _WATCH_POLL_S
+        watched = {p.watch_ref: p for p in self._producers if p.watch_ref is not None}
+        if not watched:
+            return
+        ready, _ = ray.wait(list(watched), num_returns=len(watched), timeout=0)
+        for ref in ready:
+            producer = watched[ref]
+            try:
+                ray.get(ref, timeout=0)
+            except _LOSSES as error:
+                self._lost(producer, error)
+                continue
+            except GetTimeoutError:
+                continue
+            self._watch(producer)
 
     def _check_timeout(self, producer: _Producer, now: float) -> None:
         if producer.build_ref is None and not producer.calls:
