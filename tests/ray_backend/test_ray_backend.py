@@ -449,3 +449,73 @@ def test_an_error_the_trainer_cannot_unpickle_fails_the_engine_instead_of_restar
         assert raised.value.restarts == 0
     finally:
         stop_quietly(engine)
+
+
+MAIN_SCRIPT = """
+import sys
+from dataclasses import dataclass
+
+import ray
+
+from simstream import Field, OnlineDataEngine, OnlineDataEngineCfg
+from simstream.ray import RayBackend
+
+
+class SimulatorCrashed(Exception):
+    pass
+
+
+class Source:
+    def rollout(self, rows, *, attempt, should_stop):
+        raise SimulatorCrashed("physics exploded at step 3")
+
+    def close(self):
+        pass
+
+
+@dataclass(frozen=True)
+class Spec:
+    num_envs: int = 1
+    max_episode_steps: int = 5
+
+    def fields(self):
+        return {"obs": Field((2,)), "actions": Field((2,))}
+
+    def build(self, worker_index, seed):
+        return Source()
+
+
+if __name__ == "__main__":
+    ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
+    backend = RayBackend(resources={"sim": 1}, max_restarts=0)
+    cfg = OnlineDataEngineCfg(
+        source=Spec(), buffer_size=1, shutdown_timeout=10.0, initialization_timeout=120.0, backend=backend
+    )
+    engine = OnlineDataEngine(cfg)
+    try:
+        engine.start()
+    except SimulatorCrashed as error:
+        print("caught", type(error).__module__, type(error).__qualname__, error, flush=True)
+    finally:
+        try:
+            engine.stop()
+        except SimulatorCrashed:
+            pass
+"""
+
+
+def test_an_exception_class_of_the_users_script_reaches_it_as_itself(cluster, tmp_path):
+    """Ray moves a class of the script's ``__main__`` by value; the owner still catches its own class."""
+    import ray
+
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run(
+        [sys.executable, str(script), address], cwd=root, capture_output=True, text=True, timeout=150
+    )
+    assert result.stdout.strip() == "caught __main__ SimulatorCrashed physics exploded at step 3", (
+        result.stdout + result.stderr[-3000:]
+    )
+    wait_for(lambda: sim_available() == SIM_CPUS, "the script's actors to end")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from ray import cloudpickle
 from tensordict import TensorDict
 
 from ..engine.window import GeneratedWindow, generate_window
@@ -186,8 +187,8 @@ def _picklable_errors(worker_index: int):
     except (SystemExit, KeyboardInterrupt) as error:
         raise ended_process_error(f"producer-{worker_index}", type(error).__qualname__, str(error)) from None
     except Exception as error:
-        try:
-            pickle.loads(pickle.dumps(error))
+        try:  # as Ray will: by value for a class of the user's script (__main__), which plain pickle refuses
+            cloudpickle.loads(cloudpickle.dumps(error))
         except Exception:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             kind = f"{type(error).__module__}.{type(error).__qualname__}"

@@ -34,6 +34,7 @@ import gc
 import logging
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -585,11 +586,38 @@ def _original(error: RayTaskError) -> BaseException:
     """The exception the actor raised, with its original type and message."""
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
-        return cause
+        return _as_main_class(cause)
     try:
         return error.as_instanceof_cause()
     except Exception:
         return error
+
+
+def _as_main_class(error: BaseException) -> BaseException:
+    """``error`` as an instance of the user's script's own class when its class was defined there.
+
+    Such a class crossed Ray by value, so here it is a copy that the error channel (plain pickle, by
+    reference) could not send; the script's module, which this process imported too, holds the original.
+    """
+    kind = type(error)
+    if kind.__module__ != "__main__":
+        return error
+    original = sys.modules.get("__main__")
+    for part in kind.__qualname__.split("."):
+        original = getattr(original, part, None)
+    if original is kind or not (isinstance(original, type) and issubclass(original, BaseException)):
+        return error
+    try:
+        constructor, args, *state = error.__reduce_ex__(2)
+        if constructor is not kind:
+            return error
+        rebuilt = original(*args)
+        if state and state[0]:
+            rebuilt.__dict__.update(state[0])
+    except Exception:  # a constructor that does not take its own args back: keep the copy
+        return error
+    rebuilt.__cause__, rebuilt.__context__ = error.__cause__, error.__context__
+    return rebuilt.with_traceback(error.__traceback__)
 
 
 def _describe(error: BaseException) -> str:
