@@ -89,6 +89,20 @@ _BAD_FIELDS = [
     pytest.param(
         "runtime_env", "env", r"RayBackend\.runtime_env must be None or a mapping", id="runtime-env"
     ),
+    pytest.param(  # Ray's own check, before anything starts (it used to fail inside the ingest process)
+        "runtime_env",
+        {"env_vars": {"OMP_NUM_THREADS": 1}},
+        r"RayBackend\.runtime_env is not a valid Ray runtime environment: runtime_env\['env_vars'\] must "
+        r"be of type Dict\[str, str\], but the value 1 is of type <class 'int'>",
+        id="runtime-env-vars",
+    ),
+    pytest.param(
+        "runtime_env",
+        {"pip": 5},
+        r"RayBackend\.runtime_env is not a valid Ray runtime environment: runtime_env\['pip'\] must be of "
+        r"type str or List\[str\]",
+        id="runtime-env-pip",
+    ),
 ]
 
 
@@ -126,6 +140,11 @@ def test_timeouts_accept_exactly_finite_positive_seconds_up_to_1e6(name, value):
     else:
         with pytest.raises(ValueError, match=rf"RayBackend\.{name} must be a number in \(0, 1e6\]"):
             RayBackend(**{name: value})
+
+
+def test_a_valid_runtime_env_is_kept_as_given():
+    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    assert RayBackend(runtime_env=env).runtime_env == env
 
 
 def test_numpy_amounts_are_accepted_and_reach_ray_as_floats():

@@ -74,8 +74,9 @@ class RayBackend:
     """Seconds an actor may take to be placed on a node, start and build its source, in ``(0, 1e6]``
     (a replacement waits here while its node is gone); past it the engine fails."""
     calls_in_flight: int = 2
-    """Windows requested from one actor ahead of the one being ingested, in ``[1, 64]``: enough to keep
-    the actor busy while a finished window travels, bounded so that idle producers stay idle."""
+    """Calls outstanding on one actor, counting the one whose result is awaited, in ``[1, 64]``: 2 keeps
+    the actor busy while a finished window travels (1: the next call is made only once the last result
+    arrived), bounded so that idle producers stay idle."""
     windows_per_call: int = 1
     """Windows one call generates and returns together, in ``[1, 1024]``. Each call costs the trainer a
     fixed amount of Ray overhead (about a millisecond); raise it for sources whose windows take far less
@@ -93,7 +94,8 @@ class RayBackend:
     restart_delay_s: float = 1.0
     """Seconds between losing an actor and starting its replacement, in ``[0, 3600]``."""
     runtime_env: Mapping[str, object] | None = None
-    """Ray runtime environment of the actors (``None``: the driver's); e.g. ``{"env_vars": {...}}``."""
+    """Ray runtime environment of the actors (``None``: the driver's); e.g. ``{"env_vars": {...}}``. Checked
+    on construction by Ray's own ``RuntimeEnv`` (the one field whose check imports ``ray``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +163,21 @@ class RayBackend:
             "None or a mapping (a Ray runtime environment)",
             self.runtime_env,
         )
+        if self.runtime_env is not None:
+            _check_runtime_env(self.runtime_env)
+
+
+def _check_runtime_env(runtime_env: Mapping[str, object]) -> None:
+    """Ray's own check of a runtime environment (types of ``env_vars``, ``pip``, ...), here rather than in
+    the ingest process, where Ray would first refuse it."""
+    try:
+        from ray.runtime_env import RuntimeEnv
+    except ImportError:  # the ray extra is missing: the engine says so when it starts
+        return
+    try:
+        RuntimeEnv(**dict(runtime_env))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{_OWNER}.runtime_env is not a valid Ray runtime environment: {error}") from None
 
 
 RAY_LEAVE_S = 5.0
