@@ -384,27 +384,6 @@ def test_script_that_never_stops_its_engine_closes_the_sources_at_exit(cluster):
     wait_for(lambda: sim_available() == SIM_CPUS, "the script's actors to end")
 
 
-def test_sim_node_lost_and_added_again(cluster):
-    """Last in the module: it replaces the cluster's sim node."""
-    ray_cluster, sim_node = cluster
-    backend = RayBackend(resources={"sim": 1}, max_restarts=2, restart_delay_s=0.0)
-    with OnlineDataEngine(ray_cfg(backend=backend)) as engine:
-        ray_cluster.remove_node(sim_node)
-        generation = engine.request_refill()  # its calls find the actors gone
-        wait_for(
-            lambda: all(p["restarts"] == 1 for p in engine.get_stats()["producers"]),
-            "both producers to notice the lost node and ask for new actors",
-        )
-        new_node = ray_cluster.add_node(
-            num_cpus=SIM_CPUS, resources={"sim": SIM_CPUS}, object_store_memory=200 * 2**20
-        )
-        engine.wait_for_generation(generation, timeout=120)
-        producers = engine.get_stats()["producers"]
-        assert [p["node_id"] for p in producers] == [new_node.node_id] * 2
-        assert [p["restarts"] for p in producers] == [1, 1]
-        assert_chunks_are_consecutive_frames_of_one_episode(engine.sample_batch(32, 6))
-
-
 def test_an_actor_lost_while_idle_is_restarted_without_a_refill_and_stop_stays_clean(cluster):
     """No window call is outstanding to report the loss: the actor's watch call does."""
     with OnlineDataEngine(ray_cfg()) as engine:  # manual refills: idle after the first fill
@@ -519,3 +498,24 @@ def test_an_exception_class_of_the_users_script_reaches_it_as_itself(cluster, tm
         result.stdout + result.stderr[-3000:]
     )
     wait_for(lambda: sim_available() == SIM_CPUS, "the script's actors to end")
+
+
+def test_sim_node_lost_and_added_again(cluster):
+    """Last in the module: it replaces the cluster's sim node."""
+    ray_cluster, sim_node = cluster
+    backend = RayBackend(resources={"sim": 1}, max_restarts=2, restart_delay_s=0.0)
+    with OnlineDataEngine(ray_cfg(backend=backend)) as engine:
+        ray_cluster.remove_node(sim_node)
+        generation = engine.request_refill()  # its calls find the actors gone
+        wait_for(
+            lambda: all(p["restarts"] == 1 for p in engine.get_stats()["producers"]),
+            "both producers to notice the lost node and ask for new actors",
+        )
+        new_node = ray_cluster.add_node(
+            num_cpus=SIM_CPUS, resources={"sim": SIM_CPUS}, object_store_memory=200 * 2**20
+        )
+        engine.wait_for_generation(generation, timeout=120)
+        producers = engine.get_stats()["producers"]
+        assert [p["node_id"] for p in producers] == [new_node.node_id] * 2
+        assert [p["restarts"] for p in producers] == [1, 1]
+        assert_chunks_are_consecutive_frames_of_one_episode(engine.sample_batch(32, 6))
