@@ -26,6 +26,7 @@ medians over phases.
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -85,12 +86,25 @@ def _recorder(engine, record: Path, args: Args, flush_every: int | None):
     return LeRobotRecorder(engine, record, video_codec=args.video_codec, **groups).start()
 
 
+_NOTHING_PUBLISHED_S = 120.0
+"""How much longer than its seconds a phase waits for its first published episode (a short ``--quick``
+phase on a loaded machine may see none, and its rate would be 0)."""
+
+
 def _refill_back_to_back(engine, seconds: float) -> None:
-    """Request generations back to back for ``seconds`` with ``simstream record``'s own loop."""
+    """Request generations back to back with ``simstream record``'s own loop for ``seconds``, and until at
+    least one episode was published (at most ``_NOTHING_PUBLISHED_S`` longer)."""
     from simstream.cli.record import refill_until
 
-    began = time.monotonic()
-    refill_until(engine, lambda: time.monotonic() - began >= seconds, lambda: None)
+    began, first = time.monotonic(), engine.get_stats()["successful_episodes"]
+
+    def done() -> bool:
+        elapsed = time.monotonic() - began
+        return elapsed >= seconds and (
+            engine.get_stats()["successful_episodes"] > first or elapsed >= seconds + _NOTHING_PUBLISHED_S
+        )
+
+    refill_until(engine, done, lambda: None)
 
 
 def _alternate(engine, args: Args, record: Path, flush_every: int | None, measure) -> tuple[list, list]:
@@ -171,7 +185,13 @@ def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
 
     def measure(engine):
         first, batches, began = engine.get_stats()["successful_episodes"], 0, time.monotonic()
-        while time.monotonic() - began < args.seconds:
+        while True:
+            elapsed = time.monotonic() - began
+            if elapsed >= args.seconds and (  # and at least one fresh episode, as in production phases
+                engine.get_stats()["successful_episodes"] > first
+                or elapsed >= args.seconds + _NOTHING_PUBLISHED_S
+            ):
+                break
             engine.sample_batch(256, 16)
             batches += 1
         # The rates are over the sampling loop alone: a trainer samples while its recorder runs, not
@@ -207,7 +227,9 @@ def replay(root: Path, args: Args) -> float:
 def _pair_ratios(plain: list[dict], recorded: list[dict], key: str) -> list[float]:
     """with / without per pair of adjacent phases: they share the machine's state, so their ratio is
     steadier than the ratio of medians taken over the whole run."""
-    return [with_[key] / without[key] for without, with_ in zip(plain, recorded)]
+    return [
+        with_[key] / without[key] if without[key] else math.nan for without, with_ in zip(plain, recorded)
+    ]
 
 
 def _spread(ratios: list[float]) -> str:

@@ -19,7 +19,7 @@ def _started(spec: ScriptedSpec, **overrides) -> OnlineDataEngine:
     return engine
 
 
-def _wait_failed(engine: OnlineDataEngine, timeout_s: float = 5.0) -> None:
+def _wait_failed(engine: OnlineDataEngine, timeout_s: float = 30.0) -> None:
     """Wait (bounded) for the failure record that makes the engine FAILED in every process."""
     assert engine._shared.channel.wait_published(timeout_s), f"no failure published within {timeout_s} s"
     assert engine.state is OnlineDataEngineState.FAILED
@@ -81,7 +81,7 @@ def test_exception_that_cannot_be_rebuilt_becomes_worker_error(fault, fragment):
 def test_hard_death_is_detected_without_sampling(fault, status):
     engine = _started(ScriptedSpec(fault=fault, fault_after=2), refill_policy="manual")
     engine.request_refill()
-    _wait_failed(engine, timeout_s=5.0)
+    _wait_failed(engine)
     with pytest.raises(RuntimeError, match=rf"simulation worker exited unexpectedly \({status}\)"):
         engine.check_health()
     with pytest.raises(RuntimeError, match="exited unexpectedly"):

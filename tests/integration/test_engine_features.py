@@ -210,6 +210,9 @@ def test_full_lifecycle_log_back_pressures_producers_but_not_sampling(workers):
             engine.wait_for_generation(generation, timeout=0.5)
         engine.sample_batch(8, 2)  # sampling keeps working meanwhile
         assert engine.state is OnlineDataEngineState.READY
+        deadline = time.monotonic() + 30  # a slow producer may not have appended any record yet
+        while engine._shared.events.pending() <= 4 and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # a bounded poll: the log has no event for "appended"
         records = engine.drain_lifecycle_events()  # 4 old + (part of) the first window's records
         assert 4 < len(records) <= 8
         engine.wait_for_generation(generation, timeout=30)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -123,8 +125,13 @@ def test_async_policy_lag_cap_drops_stale_rollouts_and_counts_them():
 def test_async_drop_oldest_keeps_the_collector_running():
     with APPORunner(_tiny(overflow="drop_oldest", num_slots=2, max_policy_lag=None, num_epochs=20)) as runner:
         summary = runner.learn(8, log_dir=None)
-    assert summary["status"] == "completed"
-    assert summary["dropped_overflow"] > 0  # the slow learner (20 epochs) falls behind the collector
+        assert summary["status"] == "completed"
+        # nobody takes rollouts now: a collector that keeps running overflows the ring (the slow learner,
+        # 20 epochs, has usually made it overflow already)
+        deadline = time.monotonic() + 60
+        while runner.ring.stats().dropped_overflow == 0 and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert runner.ring.stats().dropped_overflow > 0
     assert runner.env_frames >= summary["trained_frames"]
 
 
@@ -219,6 +226,10 @@ finally:
 """
 
 
+_SCRIPT_S = 180.0
+"""Bound of a script run in a subprocess (its collector is spawned and imports the script again)."""
+
+
 def _run_script(path, text: str):
     """Run ``text`` as a script of its own (from the repository root, which it imports) and wait for it."""
     import subprocess
@@ -228,11 +239,12 @@ def _run_script(path, text: str):
     path.write_text(text)
     root = Path(__file__).resolve().parents[2]
     return subprocess.run(
-        [sys.executable, str(path)], capture_output=True, text=True, cwd=root, timeout=120,
+        [sys.executable, str(path)], capture_output=True, text=True, cwd=root, timeout=_SCRIPT_S,
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
 
 
+@pytest.mark.timeout(_SCRIPT_S + 60)
 def test_a_script_without_a_main_guard_is_told_why_its_collector_died(tmp_path):
     done = _run_script(tmp_path / "unguarded.py", _UNGUARDED_SCRIPT)
     report = done.stdout.split("REPORT:", 1)[-1]
@@ -376,6 +388,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.timeout(_SCRIPT_S + 60)
 def test_a_script_that_crashes_without_close_leaves_no_crash_log_directory(tmp_path):
     done = _run_script(tmp_path / "crashing.py", _CRASHING_SCRIPT)
     assert done.returncode == 1 and "the script crashes without close()" in done.stderr

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -103,6 +104,17 @@ class _GaveUp(Exception):
     pass
 
 
+def _wait_until_stopped(pid: int) -> None:
+    deadline = time.monotonic() + _BOUND_S
+    while True:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+        if stat[stat.rindex(")") + 2] == "T":
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        threading.Event().wait(0.001)
+
+
 def test_a_wait_for_a_stopped_holder_is_bounded_by_its_check():
     ctx = mp.get_context("fork")
     lock, taken = SharedLock(), ctx.Event()
@@ -110,6 +122,7 @@ def test_a_wait_for_a_stopped_holder_is_bounded_by_its_check():
     holder.start()
     try:
         assert taken.wait(_BOUND_S)
+        _wait_until_stopped(holder.pid)  # else the SIGCONT below could come first and be lost
         checks = []
 
         def check() -> None:
