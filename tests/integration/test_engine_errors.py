@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -212,3 +213,46 @@ def _try_owner_calls(engine, queue) -> None:
         except RuntimeError as error:
             messages[op] = str(error)
     queue.put(messages)
+
+
+_FAILING_SCRIPT = """
+import traceback
+
+from simstream import OnlineDataEngine
+from simstream.errors import WorkerTraceback
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="raise")))
+    try:
+        engine.start()
+    except KeyError as error:
+        assert isinstance(error.__cause__, WorkerTraceback), error.__cause__
+        print("CAUGHT", "".join(traceback.format_exception(error)), flush=True)
+"""
+
+
+def test_a_producer_failure_is_printed_once_by_the_owner_with_the_producers_traceback(tmp_path):
+    """The producer prints nothing (a terminal showed every worker's traceback before the CLI's message);
+    the exception the owner raises carries the producer's traceback as its cause."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Process producer" not in result.stderr, result.stderr
+    printed = result.stdout.split("CAUGHT", 1)[1]
+    cause, _, raised = printed.partition(
+        "The above exception was the direct cause of the following exception"
+    )
+    assert "simstream.errors.WorkerTraceback: \nproducer-0: Traceback (most recent call last):" in cause
+    assert 'in _fault\n    raise KeyError("scripted failure in rollout")' in cause
+    assert raised.strip().endswith("KeyError: 'scripted failure in rollout'")

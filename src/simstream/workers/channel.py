@@ -21,7 +21,7 @@ import traceback
 from dataclasses import asdict, dataclass
 
 from .._sync import SharedLock
-from ..errors import OnlineDataWorkerError, add_note, ended_process_error
+from ..errors import OnlineDataWorkerError, WorkerTraceback, add_note, ended_process_error
 
 __all__ = ["ErrorChannel", "FailureRecord", "cap_text", "describe_exit", "signal_name"]
 
@@ -309,8 +309,14 @@ class ErrorChannel:
             error = OnlineDataWorkerError(
                 f"OnlineDataEngine could not decode the worker error channel: {message}"
             )
+        if record.traceback_text and error.__cause__ is None:
+            error.__cause__ = WorkerTraceback(f"{record.worker}: {record.traceback_text}")
         self._cache = (record, error)
         return record
+
+    def holds(self, error: BaseException) -> bool:
+        """Whether ``error`` is the very exception this process published (see :func:`worker_entry`)."""
+        return self._cache is not None and self._cache[1] is error
 
     def error(self) -> BaseException | None:
         """The published failure rebuilt as an exception (same object on every call), or ``None``.

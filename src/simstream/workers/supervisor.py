@@ -59,8 +59,9 @@ def worker_entry(
 
     ``target`` is ``"module:function"``, imported *inside* the guard, so an import error in the child is
     reported like any other failure. User objects that may fail to unpickle in the child should travel as
-    pickled bytes in ``args`` and be loaded by the target. The exception is re-raised, so the process still
-    exits non-zero.
+    pickled bytes in ``args`` and be loaded by the target. The process exits with code 1; its traceback
+    travels with the published exception (the owner raises it with a ``WorkerTraceback`` cause) and is
+    printed here only when an earlier failure was published instead.
     """
     if entered is not None:
         entered.mark(index)
@@ -72,6 +73,9 @@ def worker_entry(
         function(*args)
     except BaseException as error:
         channel.publish(error, label)
+        if channel.holds(error) and not isinstance(error, SystemExit):
+            # its traceback is printed by whoever raises it, not on the terminal of every worker too
+            raise SystemExit(1) from None
         raise
 
 
