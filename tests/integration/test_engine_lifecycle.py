@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -462,6 +463,85 @@ def test_ctrl_c_reaching_the_producers_is_left_to_the_owner():
         assert engine.state is OnlineDataEngineState.READY
         assert engine.sample_batch(4, 2).batch_size == torch.Size([4, 2])
     assert engine.state is OnlineDataEngineState.STOPPED
+
+
+_CTRL_C_SCRIPT = """
+from simstream import OnlineDataEngine
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(rollout_s=0.5), num_workers=2))
+    print("starting", flush=True)
+    try:
+        engine.start()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    else:
+        print("started", flush=True)
+        engine.stop()
+"""
+
+
+def _children(pid: int) -> set[int]:
+    children = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                children |= {int(child) for child in handle.read().split()}
+        except OSError:
+            continue
+    return children
+
+
+def _forkserver_and_its_children(owner: int) -> tuple[int | None, set[int]]:
+    for child in _children(owner):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as handle:
+                if b"multiprocessing.forkserver" in handle.read():
+                    return child, _children(child)
+        except OSError:
+            continue
+    return None, set()
+
+
+@pytest.mark.timeout(_SCRIPT_S + 60)
+@pytest.mark.parametrize("moment", ["preload", "producer"])
+def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_path, moment):
+    """Ctrl-C reaches the whole process group: once the forkserver exists (importing its preload, torch,
+    for a couple of seconds), and once a producer exists too (maybe still unpickling its arguments). Only
+    the owner may react: the forkserver once printed a KeyboardInterrupt traceback, and a producer started
+    but not yet registered was left to itself and printed one too."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    owner = subprocess.Popen(
+        [sys.executable, str(script)], cwd=root, env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert owner.stdout.readline().strip() == "starting"
+        deadline = time.monotonic() + _SCRIPT_S
+        while time.monotonic() < deadline:  # a bounded poll: nothing tells when the forkserver forks
+            forkserver, producers = _forkserver_and_its_children(owner.pid)
+            if forkserver is not None and (moment == "preload" or producers):
+                break
+            threading.Event().wait(0.001)
+        os.killpg(owner.pid, signal.SIGINT)
+        out, err = owner.communicate(timeout=_SCRIPT_S)
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.communicate(timeout=30)
+    assert "Traceback" not in err, err[-3000:]
+    assert owner.returncode == 0 and out.strip() in ("interrupted", "started"), (out, err[-3000:])
 
 
 @pytest.mark.parametrize("during", ["stop", "start"])

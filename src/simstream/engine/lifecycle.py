@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -122,7 +123,8 @@ class EngineLifecycle:
         shared, cfg = self._shared, self.cfg
         ctx = shared.context()
         if _forkserver_not_started():
-            ctx.set_forkserver_preload(["simstream.engine.producer"])
+            ctx.set_forkserver_preload(["simstream.engine.forkserver_preload"])
+            _start_forkserver_ignoring_ctrl_c()
         if cfg.backend is not None:  # Ray actors, fed into the buffer by one ingest process
             specs = [_ray_ingest_spec(shared, cfg, self._num_envs)]
         else:
@@ -394,6 +396,21 @@ def _ray_ingest_spec(shared, cfg, num_envs: int) -> WorkerSpec:
         target="simstream.ray.ingest:run_ingest",
         args=(shared, pickle.dumps(cfg), spec_bytes, num_envs, address),
     )
+
+
+def _start_forkserver_ignoring_ctrl_c() -> None:
+    """Start the forkserver with SIGINT ignored (see :mod:`simstream.engine.forkserver_preload`). From
+    another thread the handler cannot be changed: it starts as it would anyway."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # for the few ms of its spawn
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _forkserver_not_started() -> bool:

@@ -16,10 +16,12 @@ that starts workers at import time fails there). Each worker marks a shared flag
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import multiprocessing as mp
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -258,10 +260,11 @@ class WorkerSupervisor:
                 name=spec.label,
                 daemon=self._daemon,
             )
-            process.start()  # registered only once started: shutdown() joins what it holds
-            self._processes[spec.label] = process
-            self._indices[spec.label] = index
-            self._exits.register(process.sentinel, select.POLLIN)
+            with _ctrl_c_deferred():  # a child started but not registered would be left to itself
+                process.start()  # registered only once started: shutdown() joins what it holds
+                self._processes[spec.label] = process
+                self._indices[spec.label] = index
+                self._exits.register(process.sentinel, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
             args=(
@@ -397,6 +400,25 @@ def _monitor_workers(
                     message = f"{label} sent no heartbeat for {age:.1f} s (hang_timeout_s={hang_timeout_s})"
                     channel.publish(TimeoutError(message), label)
                     _notify(on_exit)
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it to the handler in place.
+
+    Only the main thread can change handlers; elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _notify(on_exit: Callable[[], None] | None) -> None:
