@@ -7,10 +7,13 @@ every config (engine, async RL, behaviour cloning, the CLIs) words its errors th
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Iterable
 from numbers import Real
+from pathlib import Path
 
-__all__ = ["require", "require_choice", "require_int", "require_number"]
+__all__ = ["require", "require_choice", "require_int", "require_number", "require_writable"]
 
 
 def require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:
@@ -91,3 +94,35 @@ def _bound(value: float) -> str:
     text = f"{value:g}"
     mantissa, e, exponent = text.partition("e")
     return f"{mantissa}e{int(exponent)}" if e else text
+
+
+def require_writable(owner: str, name: str, path: object, *, folder: bool = False) -> None:
+    """Raise ``ValueError("<owner>.<name> cannot be written: ...")`` unless this process can create (or
+    write) the file, or with ``folder`` the folder, ``path``, together with its missing parent folders.
+
+    Checked by creating and removing a scratch folder where ``path`` would go (permission bits say nothing
+    for root, a read-only file system or ``/proc``), so a command fails before its work, not after it.
+    """
+    path = Path(path)
+    if path.exists():
+        if folder != path.is_dir():
+            kind = "a folder" if folder else "a file"
+            raise ValueError(f"{owner}.{name} must be {kind}, got {str(path)!r}")
+        if not folder:
+            try:
+                with open(path, "ab"):
+                    return
+            except OSError as error:
+                raise ValueError(
+                    f"{owner}.{name} cannot be written: {str(path)!r}: {error.strerror}"
+                ) from None
+    where = path if path.exists() else next(parent for parent in path.parents if parent.exists())
+    if not where.is_dir():
+        raise ValueError(f"{owner}.{name} cannot be written: {str(where)!r} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".simstream-write-check-", dir=where))
+    except OSError as error:
+        raise ValueError(
+            f"{owner}.{name} cannot be written: {str(path)!r} (creating a folder in {str(where)!r} failed: "
+            f"{error.strerror})"
+        ) from None

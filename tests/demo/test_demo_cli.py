@@ -114,6 +114,11 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
             ),
         ),
         (["--dataset", "/nonexistent/simstream-dataset"], "no such dataset folder"),
+        (
+            ["--record", "/proc/simstream-dataset"],
+            "DemoConfig.record cannot be written: '/proc/simstream-dataset' "
+            "(creating a folder in '/proc' failed",
+        ),
     ],
 )
 def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):
@@ -139,6 +144,11 @@ def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, 
         (["--video", "v.mp4", "--image-size", "33"], "EvalArgs.image_size must be even for an .mp4 video"),
         (["--video", "{file}/v.gif"], "EvalArgs.video cannot be written: '{file}' is a file, not a folder"),
         (["--json-out", "{file}/r.json"], "EvalArgs.json_out cannot be written: '{file}' is a file"),
+        (  # known before the evaluation, whose results would be lost
+            ["--json-out", "/proc/simstream/r.json"],
+            "EvalArgs.json_out cannot be written: '/proc/simstream/r.json' "
+            "(creating a folder in '/proc' failed",
+        ),
     ],
 )
 def test_eval_rejects_a_bad_option_with_exit_code_2(options, message, tmp_path, capsys):
@@ -316,6 +326,11 @@ def test_a_producer_failure_still_closes_the_recorder(tmp_path, monkeypatch):
     ("args", "message"),
     [
         (["inspect", "--out", "strip"], "InspectArgs.out must be a .png or .jpg file, got 'strip'"),
+        (
+            ["inspect", "--out", "/proc/simstream/strip.png"],
+            "InspectArgs.out cannot be written: '/proc/simstream/strip.png' "
+            "(creating a folder in '/proc' failed",
+        ),
     ],
 )
 def test_inspect_rejects_a_bad_option_with_exit_code_2(args, message, capsys):
@@ -369,9 +384,7 @@ def test_a_slow_synthetic_rollout_still_stops_when_asked():
 
 def test_eval_refuses_a_json_out_folder_before_evaluating(tmp_path, capsys):
     assert simstream(["eval", str(tmp_path / "checkpoint.pt"), "--json-out", str(tmp_path)]) == 2
-    assert f"EvalArgs.json_out must be a file path, got the folder {str(tmp_path)!r}" in _one_line(
-        capsys.readouterr().err
-    )
+    assert f"EvalArgs.json_out must be a file, got {str(tmp_path)!r}" in _one_line(capsys.readouterr().err)
 
 
 def test_demo_refuses_to_record_into_a_file_and_writes_nothing(tmp_path, capsys):

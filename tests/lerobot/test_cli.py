@@ -78,6 +78,11 @@ def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
             r"key_map names field(s) ['obs/nope'] that the source does not",
         ),
         (["--task", "juggle"], "juggle"),
+        (  # before any episode is recorded
+            ["--out", "/proc/simstream-dataset"],
+            "RecordArgs.out cannot be written: '/proc/simstream-dataset' "
+            "(creating a folder in '/proc' failed",
+        ),
     ],
 )
 def test_record_bad_options_exit_2(tmp_path, capsys, args, fragment):

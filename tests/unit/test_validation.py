@@ -66,3 +66,27 @@ def test_require_and_require_int():
         require_int("C", "n", 5, 1, 4)
     with pytest.raises(ValueError, match=r"^C\.n must be an int >= 1, got True$"):
         require_int("C", "n", True, 1)
+
+
+def test_require_writable_probes_where_the_path_would_go_and_leaves_nothing(tmp_path):
+    from simstream._validation import require_writable
+
+    require_writable("Args", "out", tmp_path / "new" / "nested", folder=True)
+    require_writable("Args", "out", tmp_path / "new" / "file.json")
+    assert list(tmp_path.iterdir()) == []  # the probe folder was removed; nothing was created
+    existing = tmp_path / "file.json"
+    existing.write_text("kept")
+    require_writable("Args", "out", existing)
+    assert existing.read_text() == "kept"
+    with pytest.raises(ValueError, match=r"^Args\.out must be a folder, got '.*file\.json'$"):
+        require_writable("Args", "out", existing, folder=True)
+    with pytest.raises(ValueError, match=r"^Args\.out must be a file, got '.*'$"):
+        require_writable("Args", "out", tmp_path)
+    with pytest.raises(
+        ValueError, match=r"Args\.out cannot be written: '.*file\.json' is a file, not a folder"
+    ):
+        require_writable("Args", "out", existing / "inside.json")
+    with pytest.raises(
+        ValueError, match=r"cannot be written: '/proc/x/y' \(creating a folder in '/proc' failed: "
+    ):
+        require_writable("Args", "out", "/proc/x/y", folder=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .._validation import require_writable
 from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
 from .config import DemoConfig
@@ -153,6 +154,7 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     if cfg.dataset is not None:
         check_dataset_task(engine_cfg.source, cfg.task)
     if cfg.record is not None:
+        require_writable("DemoConfig", "record", cfg.record, folder=True)
         check_record_target(engine_cfg.source, cfg.record)
     return engine_cfg
 
@@ -173,6 +175,7 @@ def _check_run_folder(cfg: DemoConfig) -> None:
     runs = Path(cfg.runs_dir)
     if runs.exists() and not runs.is_dir():
         raise ValueError(f"DemoConfig.runs_dir must be a folder, got the file {str(runs)!r}")
+    require_writable("DemoConfig", "runs_dir", runs, folder=True)
     if cfg.name is not None:
         run_dir = runs / cfg.name
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import tyro
 
-from .._validation import require, require_int, require_number
+from .._validation import require, require_int, require_number, require_writable
 from ._report import exit_code
 
 __all__ = ["EvalArgs", "main", "run_eval"]
@@ -89,18 +89,9 @@ class EvalArgs:
 
 
 def _require_file_path(name: str, path: Path | None) -> None:
-    """``path`` can be written: not a folder, and no file stands where one of its folders would be."""
-    if path is None:
-        return
-    if Path(path).is_dir():
-        raise ValueError(f"EvalArgs.{name} must be a file path, got the folder {str(path)!r}")
-    for parent in Path(path).parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(
-                    f"EvalArgs.{name} cannot be written: {str(parent)!r} is a file, not a folder"
-                )
-            return
+    """``path`` can be written (see :func:`~simstream._validation.require_writable`)."""
+    if path is not None:
+        require_writable("EvalArgs", name, path)
 
 
 def write_video(path: Path, episodes: list[list], fps: int) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tyro
 
-from .._validation import require_int
+from .._validation import require_int, require_writable
 from ._report import exit_code
 
 __all__ = ["InspectArgs", "main", "run_inspect"]
@@ -52,6 +52,8 @@ class InspectArgs:
         if self.out is not None and Path(self.out).suffix.lower() not in (".png", ".jpg", ".jpeg"):
             # matplotlib would add .png to another name and the report would name a file it did not write
             raise ValueError(f"InspectArgs.out must be a .png or .jpg file, got {str(self.out)!r}")
+        if self.out is not None:  # known now, not after the episodes ran
+            require_writable("InspectArgs", "out", self.out)
 
 
 def _allocate_rows(spec):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .._validation import require_int
+from .._validation import require_int, require_writable
 from ._report import exit_code
 
 __all__ = ["PROGRESS_EVERY_S", "RecordArgs", "main", "refill_until", "run_record"]
@@ -62,6 +62,7 @@ class RecordArgs:
         # the scripted experts take up to ~80 steps: shorter rows could never hold a success
         require_int("RecordArgs", "max_episode_steps", self.max_episode_steps, 100)
         require_int("RecordArgs", "seed", self.seed, 0, 2**63 - 1)
+        require_writable("RecordArgs", "out", self.out, folder=True)
 
 
 PROGRESS_EVERY_S = 0.25
