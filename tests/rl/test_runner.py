@@ -161,6 +161,28 @@ def test_checkpoint_and_resume_restore_every_part(tmp_path):
         assert row["rl/env_frames_per_s"] * row["rl/wall_s"] == pytest.approx(frames)
 
 
+def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_path):
+    """A real SIGINT after the second update: the summary says interrupted and names a checkpoint that
+    resumes (``simstream rl`` lost every update since its last periodic save before)."""
+    import signal
+
+    def interrupt_after_two(row) -> None:
+        if row["rl/iteration"] == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(10, save_interval=0, log_dir=str(tmp_path), callback=interrupt_after_two)
+        summary = runner.last_run_summary
+    assert summary["status"] == "interrupted" and summary["iterations"] == 2
+    assert summary["last_checkpoint"] == os.path.join(str(tmp_path), "model_2.pt")
+    assert sorted(name for name in os.listdir(tmp_path) if name.endswith((".pt", ".partial"))) == [
+        "model_2.pt"
+    ]
+    with APPORunner(_tiny(mode="serial"), resume=summary["last_checkpoint"]) as resumed:
+        assert resumed.iterations_done == 2 and resumed.policy_version == 2
+
+
 def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
     with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(1, log_dir=str(tmp_path))

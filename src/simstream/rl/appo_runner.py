@@ -171,6 +171,8 @@ class APPORunner(AsyncRunner):
 
         Raises:
             CollectorDiedError: the collector died, failed or hung (the summary is written first).
+            KeyboardInterrupt: Ctrl-C; the summary's status is ``"interrupted"`` and, with ``log_dir``, the
+                model as it was is saved first (``model_<updates done>.pt``, the summary's checkpoint).
         """
         require_int("APPORunner.learn", "max_iterations", max_iterations, 1)
         require_int("APPORunner.learn", "save_interval", save_interval, 0)
@@ -205,6 +207,12 @@ class APPORunner(AsyncRunner):
                 checkpoint = self.save_checkpoint(os.path.join(log_dir, f"model_{self.iterations_done}.pt"))
         except CollectorDiedError as error:
             status, failure = "collector_died", error.report
+            raise
+        except KeyboardInterrupt:
+            # Ctrl-C: what was learned so far is saved, as at the end of a run (a resume continues it)
+            status = "interrupted"
+            if log_dir is not None and self.iterations_done > 0:
+                checkpoint = self.save_checkpoint(os.path.join(log_dir, f"model_{self.iterations_done}.pt"))
             raise
         except BaseException as error:
             status, failure = "failed", f"{type(error).__name__}: {error}"
@@ -322,6 +330,7 @@ class APPORunner(AsyncRunner):
     def save_checkpoint(self, path: str) -> str:
         """Save model, target network, optimiser, normaliser, versions and config to ``path``."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        partial = f"{path}.partial"  # renamed once whole: an interrupted save never leaves a torn file
         state = {
             "learner": self.learner.state_dict(),
             "policy_version": self.policy_version,
@@ -331,7 +340,8 @@ class APPORunner(AsyncRunner):
             "config": asdict(self.config),
             "dims": (self.obs_dim, self.act_dim),
         }
-        torch.save(state, path)
+        torch.save(state, partial)
+        os.replace(partial, path)
         return path
 
     def load_checkpoint(self, path: str) -> None:
