@@ -150,7 +150,7 @@ def test_demo_refuses_datasets_that_do_not_fit_before_making_a_run_folder(tmp_pa
     assert f"DemoConfig.dataset: {stack} holds episodes that task 'pick_place' never produces" in message
     assert message.endswith("; pass --task stack")
     message = refused("--record", str(stack))
-    assert f"{stack}/meta/info.json: features" in message and "do not match the recording's" in message
+    assert f"{stack}/meta/info.json: the dataset's features do not match the recording's (" in message
     message = refused("--task", "stack", "--dataset", str(stack), "--record", str(stack))
     assert "DemoConfig.record must not be the dataset the demo replays" in message
     (runs / "taken").mkdir(parents=True)

@@ -194,8 +194,20 @@ def test_features_that_do_not_match_on_append(tmp_path):
     writer.add(pattern_record(0, image_size=None))
     writer.flush()
     other = features_from_fields(PatternSpec(image_size=32).fields(), KeyMap(), video=True)
-    with pytest.raises(ValueError, match=r"meta/info.json: features .* do not match the recording's"):
+    with pytest.raises(
+        ValueError,
+        match=r"meta/info.json: the dataset's features do not match the recording's "
+        r"\('observation.image' only in the recording\); appending needs the same keys, dtypes and shapes$",
+    ):
         DatasetWriter(tmp_path / "ds", other, 20)
+    camera = features_from_fields(PatternSpec(image_size=32).fields(), KeyMap(), video=True)
+    DatasetWriter(tmp_path / "camera", camera, 20).add(pattern_record(0, image_size=32))
+    bigger = features_from_fields(PatternSpec(image_size=48).fields(), KeyMap(), video=True)
+    with pytest.raises(
+        ValueError,
+        match=r"'observation.image' is video \[3, 32, 32\] in the dataset, video \[3, 48, 48\] in the",
+    ):
+        DatasetWriter(tmp_path / "camera", bigger, 20)
     with pytest.raises(ValueError, match=r"meta/info.json: fps is 20, the recording's is 30"):
         DatasetWriter(tmp_path / "ds", features, 30)
 

@@ -136,13 +136,11 @@ class DatasetWriter:
                 f"{self.root}/meta/info.json: fps is {info.get('fps')}, the recording's is {self.fps}"
             )
         expected = info_features(self.features, self.fps, self.video_codec)
-        if set(info["features"]) != set(expected) or any(
-            info["features"][k]["dtype"] != v["dtype"] or list(info["features"][k]["shape"]) != v["shape"]
-            for k, v in expected.items()
-        ):
+        differences = _feature_differences(info["features"], expected)
+        if differences:
             raise ValueError(
-                f"{self.root}/meta/info.json: features {sorted(info['features'])} do not match the "
-                f"recording's {sorted(expected)} (same keys, dtypes and shapes needed to append)"
+                f"{self.root}/meta/info.json: the dataset's features do not match the recording's "
+                f"({'; '.join(differences)}); appending needs the same keys, dtypes and shapes"
             )
         if state["total_episodes"]:
             self._check_scalars(state["meta"])
@@ -491,3 +489,17 @@ def repair(root: Path | str) -> dict[str, Any]:
         "total_frames": total_frames,
         "next_file": next_file,
     }
+
+
+def _feature_differences(stored: dict, expected: dict) -> list[str]:
+    """What differs between a dataset's features and a recording's, one phrase per key."""
+    differences = [f"{key!r} only in the dataset" for key in sorted(set(stored) - set(expected))]
+    differences += [f"{key!r} only in the recording" for key in sorted(set(expected) - set(stored))]
+    for key in sorted(set(stored) & set(expected)):
+        have, want = stored[key], expected[key]
+        if have.get("dtype") != want["dtype"] or list(have.get("shape", ())) != list(want["shape"]):
+            differences.append(
+                f"{key!r} is {have.get('dtype')} {list(have.get('shape', ()))} in the dataset, "
+                f"{want['dtype']} {list(want['shape'])} in the recording"
+            )
+    return differences
