@@ -384,6 +384,14 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a simstream policy checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
+    (tmp_path / "report.md").write_text("# a report, not a checkpoint")
+    # one line, without torch's advice to load an unknown file with weights_only=False
+    message = (
+        f"{str(tmp_path / 'report.md')!r} is not a simstream policy checkpoint: torch.load cannot read it ("
+    )
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        load_checkpoint(tmp_path / "report.md")
+    assert "\n" not in str(raised.value) and "weights_only" not in str(raised.value)
 
 
 def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path):

@@ -63,8 +63,11 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint: {error}") from error
+    except Exception as error:  # torch's own text suggests weights_only=False: unsafe for an unknown file
+        raise ValueError(
+            f"{str(path)!r} is not a simstream policy checkpoint: torch.load cannot read it "
+            f"({type(error).__name__})"
+        ) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a simstream policy checkpoint (expected format {FORMAT!r})")
     kind = payload.get("policy_kind", "state")  # checkpoints written before the vision policy: "state"

@@ -357,7 +357,10 @@ class APPORunner(AsyncRunner):
         try:
             state = torch.load(path, map_location=self.device, weights_only=True)
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as error:
-            raise ValueError(f"{path} is not a checkpoint torch.load can read: {error}") from error
+            # torch's own text suggests weights_only=False: unsafe for a file that is not ours
+            raise ValueError(
+                f"{path} is not a checkpoint torch.load can read ({type(error).__name__})"
+            ) from error
         missing = [key for key in _CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
         if missing:
             raise ValueError(f"{path} is not an APPORunner checkpoint: it has no {missing}")
