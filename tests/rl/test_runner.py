@@ -327,6 +327,10 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
         (["--max-env-frames", "-5"], "--max-env-frames must be None or an int >= 1, got -5"),
         (["--target-return", "nan"], "--target-return must be None or a finite number"),
         (["--env", "NoSuch-v0"], "--env 'NoSuch-v0' is not a gymnasium environment here"),
+        (
+            ["--env", "simstream_no_such_module:X-v0"],
+            "--env 'simstream_no_such_module:X-v0': there is no module 'simstream_no_such_module' to import",
+        ),
         (["--resume", "missing.pt"], "--resume 'missing.pt' is not a checkpoint file"),
         (["--num-envs", "0"], "num_envs must be"),
         (["--gamma", "1.5"], "APPOConfig.gamma must be a number in [0, 1], got 1.5 (option --gamma)"),

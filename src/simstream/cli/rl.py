@@ -120,6 +120,12 @@ def run(args: RLArgs) -> int:
         return _bad_option(f"--env {cfg.env_id!r} is not a gymnasium environment here: {error}")
     except ValueError as error:  # a checkpoint of another task
         return _bad_option(str(error))
+    except ModuleNotFoundError as error:
+        module = cfg.env_id.partition(":")[0] if ":" in cfg.env_id else None
+        if module is not None and not _importable(module):
+            return _bad_option(f"--env {cfg.env_id!r}: there is no module {module!r} to import")
+        print(f"simstream rl: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1  # the env's module exists; something it imports does not
     except Exception as error:
         print(f"simstream rl: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
@@ -169,6 +175,15 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary, curve=bool(runner.history))
     return code
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def _bad_option(message: str) -> int:
