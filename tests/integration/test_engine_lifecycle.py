@@ -13,7 +13,7 @@ import torch
 
 from simstream import OnlineDataEngine, OnlineDataEngineState, OnlineDataWorkerError
 from simstream.sampling.gather import physical_memory
-from tests.support.engines import make_cfg
+from tests.support.engines import make_cfg, stop_quietly
 from tests.support.processes import wait_for_exit
 from tests.support.sources import ScriptedSpec
 
@@ -357,7 +357,7 @@ def test_del_of_an_unstopped_owner_engine_stops_its_workers():
 _ORPHAN_SCRIPT = """
 import os, signal, sys
 from simstream import OnlineDataEngine
-from tests.support.engines import make_cfg
+from tests.support.engines import make_cfg, stop_quietly
 
 if __name__ == "__main__":
     engine = OnlineDataEngine(make_cfg(num_workers=2))
@@ -402,7 +402,7 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
 _UNGUARDED_SCRIPT = """
 import sys
 from simstream import OnlineDataEngine
-from tests.support.engines import make_cfg
+from tests.support.engines import make_cfg, stop_quietly
 
 # No `if __name__ == "__main__":` guard: every forkserver producer re-runs this module (as
 # "__mp_main__"), and the engine it builds there must refuse to start.
@@ -467,7 +467,7 @@ def test_ctrl_c_reaching_the_producers_is_left_to_the_owner():
 
 _CTRL_C_SCRIPT = """
 from simstream import OnlineDataEngine
-from tests.support.engines import make_cfg
+from tests.support.engines import make_cfg, stop_quietly
 from tests.support.sources import ScriptedSpec
 
 if __name__ == "__main__":
@@ -576,6 +576,56 @@ def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(
     engine.stop()  # finishes the cleanup
     assert engine.state is OnlineDataEngineState.STOPPED and len(calls) == 2
     assert engine._supervisor is None or not engine._supervisor.processes
+
+
+def test_ctrl_c_after_stop_signalled_the_producers_leaves_their_exits_to_the_next_stop(monkeypatch):
+    """The Ctrl-C lands once stop() told the producers to close and they did (exit code 0): the next
+    stop() must not read those exits as deaths (it made the engine FAILED with "exited unexpectedly")."""
+    engine = OnlineDataEngine(make_cfg())
+    engine.start()
+    shutdown, supervisor = engine._shutdown_workers, engine._supervisor
+    calls = []
+
+    def interrupted_after_the_close():
+        calls.append(1)
+        if len(calls) > 1:
+            return shutdown()
+        engine._shared.close_flag.set()
+        engine._shared.wake_all()
+        deadline = time.monotonic() + 60
+        while any(p.exitcode is None for p in supervisor.processes.values()) and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # a bounded poll: the producers exit on their own now
+        assert [p.exitcode for p in supervisor.processes.values()] == [0]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_shutdown_workers", interrupted_after_the_close)
+    with pytest.raises(KeyboardInterrupt):
+        engine.stop()
+    assert engine.state is OnlineDataEngineState.READY and engine._shared.channel.read() is None
+    engine.stop()
+    assert engine.state is OnlineDataEngineState.STOPPED and len(calls) == 2
+
+
+def test_ctrl_c_during_the_cleanup_of_a_failed_start_reaches_the_caller(monkeypatch):
+    """start() failed (its initial fill timed out) and a Ctrl-C landed in its cleanup: the caller gets the
+    KeyboardInterrupt, the start's error as its context, instead of the error with the Ctrl-C as a note."""
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall"), initialization_timeout=0.5))
+    shutdown, calls = engine._shutdown_workers, []
+
+    def interrupted_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return shutdown()
+
+    monkeypatch.setattr(engine, "_shutdown_workers", interrupted_once)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        engine.start()
+    assert isinstance(raised.value.__context__, TimeoutError)
+    assert "Worker cleanup also failed: KeyboardInterrupt" in "".join(raised.value.__context__.__notes__)
+    assert engine.state is OnlineDataEngineState.FAILED
+    stop_quietly(engine)
+    assert len(calls) == 2
 
 
 def test_a_stop_inside_this_threads_own_stop_or_start_asks_and_returns(monkeypatch):

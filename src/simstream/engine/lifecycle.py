@@ -174,7 +174,7 @@ class EngineLifecycle:
             self._cleanup_complete = True
         except BaseException as cleanup_error:
             forced, cleanup_failure = self._forced_shutdown, cleanup_error
-            add_note(error, f"Worker cleanup also failed: {cleanup_error}")
+            add_note(error, f"Worker cleanup also failed: {type(cleanup_error).__name__}: {cleanup_error}")
         published = channel.error()
         if published is not None and published is not error:
             add_note(error, f"Worker also failed during cleanup: {type(published).__name__}: {published}")
@@ -191,6 +191,10 @@ class EngineLifecycle:
         with self._lifecycle:
             self._set_state(State.STOPPED if clean else State.FAILED)
             self._lifecycle.notify_all()
+        if cleanup_failed and not isinstance(cleanup_failure, Exception) and not interrupted:
+            # a Ctrl-C during the cleanup of a failed start: the caller gets it (a retry loop around
+            # start() must stay interruptible), with the start's error as its context
+            raise cleanup_failure
 
     # -- liveness ------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -270,7 +274,8 @@ class EngineLifecycle:
     def _stop_running(self, state: State) -> None:
         channel = self._shared.channel
         error = channel.error()
-        if error is None and state is State.READY:
+        # after a stop() that a Ctrl-C cut short, the producers' exits are the ones it asked for
+        if error is None and state is State.READY and not self._shared.close_flag.is_set():
             error = self._detect_death_before_stop()
         try:
             forced = self._shutdown_workers()
