@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import multiprocessing as mp
 import os
+import struct
 import threading
 import time
 import weakref
@@ -37,30 +38,62 @@ from typing import Any, ClassVar
 
 __all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock", "with_deadline"]
 
+_FLOCK = "@hhqqi4x"
+"""Linux's ``struct flock`` (type, whence, start, length, pid), padded to its 32 bytes."""
 _SLICE_S = 0.1
 """Longest wait between two calls of a lock wait's check: a live holder keeps a lock for microseconds."""
 _FIRST_BACKOFF_S = 2e-5
 _LAST_BACKOFF_S = 1e-3
 
 
-def with_deadline(check: Callable[[], None] | None, timeout_s: float, what: str) -> Callable[[], None]:
-    """A lock wait's check that also raises ``TimeoutError`` once ``timeout_s`` seconds have passed.
+def with_deadline(
+    check: Callable[[], None] | None, timeout_s: float, what: str, lock: SharedLock | None = None
+) -> Callable[[], None]:
+    """A lock wait's check that also raises ``TimeoutError`` once the wait is hopeless for ``timeout_s``.
 
     A holder that died releases a :class:`SharedLock`, and a failed engine ends a wait through ``check``;
-    a holder that is stopped (SIGSTOP, a debugger) does neither, and only a deadline ends the wait.
+    a holder that is stopped (SIGSTOP, a debugger) does neither. With ``lock``, the seconds count only
+    while its holder is a stopped process: a live holder (a long batch copy under the quota lock) is waited
+    for. Without it, every second of the wait counts.
     """
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    stopped: tuple[int, float] | None = None  # (holder, since when it is seen stopped)
 
     def bounded() -> None:
+        nonlocal stopped
         if check is not None:
             check()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if lock is None:
+            if now - began > timeout_s:
+                raise TimeoutError(
+                    f"{what} was held for more than {timeout_s:g} s by another process that does not "
+                    "release it (stopped, e.g. by SIGSTOP or a debugger?)"
+                )
+            return
+        holder = lock.holder_pid()
+        if holder is None or not process_is_stopped(holder):
+            stopped = None
+            return
+        if stopped is None or stopped[0] != holder:
+            stopped = (holder, now)
+        elif now - stopped[1] > timeout_s:
             raise TimeoutError(
-                f"{what} was held for more than {timeout_s:g} s by another process that does not release "
-                "it (stopped, e.g. by SIGSTOP or a debugger?)"
+                f"{what} was held for more than {timeout_s:g} s by process {holder}, which is stopped "
+                "(SIGSTOP or a debugger?) and cannot release it"
             )
 
     return bounded
+
+
+def process_is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by a signal or a tracer); ``False`` when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
 
 
 class Doorbell:
@@ -251,6 +284,15 @@ class SharedLock:
     def is_held_here(self) -> bool:
         """Whether a thread of this process holds the lock."""
         return self._offset in self._file.holders
+
+    def holder_pid(self) -> int | None:
+        """The process that holds the lock, when it is another process (``fcntl``'s ``F_GETLK``)."""
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, self._offset, 1, 0)
+        try:
+            kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(self._file.fd, fcntl.F_GETLK, query))
+        except OSError:
+            return None
+        return None if kind == fcntl.F_UNLCK else pid
 
     def acquire(self, check: Callable[[], None] | None, slice_s: float = _SLICE_S) -> None:
         """Take the lock, calling ``check`` every ``slice_s`` seconds while another holder keeps it.

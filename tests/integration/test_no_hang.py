@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from simstream import OnlineDataEngine, OnlineDataEngineState
 from simstream.data import OnlineDataset
@@ -228,13 +229,52 @@ def test_a_consumer_stopped_holding_a_shared_lock_ends_the_owners_waits_after_th
             thread.join(_BOUND_S)
             assert not thread.is_alive(), f"{call} waited on a stopped holder of the {which} lock"
             assert isinstance(outcome[0], TimeoutError), outcome
-            assert str(outcome[0]).startswith(f"{name} was held for more than 1 s by another process")
+            assert str(outcome[0]) == (
+                f"{name} was held for more than 1 s by process {holder.pid}, which is stopped (SIGSTOP or a "
+                "debugger?) and cannot release it"
+            )
     finally:
         if holder is not None:
             os.kill(holder.pid, signal.SIGKILL)
             holder.join(_BOUND_S)
         engine.stop()
     assert engine.state is OnlineDataEngineState.STOPPED
+
+
+def _take_and_hold(lock, taken, release) -> None:
+    lock.acquire(None)
+    taken.set()
+    release.wait(_BOUND_S)
+    lock.release()
+
+
+def test_a_live_process_holding_the_quota_lock_past_the_timeout_is_waited_for():
+    """A live holder (another consumer's long batch copy) is no stopped one: the owner's quota waits
+    outlast sample_wait_timeout and go on once it releases (they failed with TimeoutError after it)."""
+    engine = _two_producers(
+        refill_policy="manual", episode_sample_budget=1000, episode_sample_hard_limit=1000, buffer_size=8,
+        sample_wait_timeout=0.5,
+    )  # fmt: skip
+    ctx = mp.get_context("fork")
+    taken, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_take_and_hold, args=(engine._shared.quota.lock, taken, release))
+    holder.start()
+    try:
+        assert taken.wait(_BOUND_S)
+        threads = [_in_thread(call) for call in (engine.get_flow_status, lambda: engine.sample_batch(4, 2))]
+        threads[0][0].join(4 * engine.cfg.sample_wait_timeout)  # the old deadline, long past
+        assert all(thread.is_alive() for thread, _ in threads) and not any(o for _, o in threads)
+        release.set()
+        for thread, outcome in threads:
+            thread.join(_BOUND_S)
+            assert not thread.is_alive() and not isinstance(outcome[0], BaseException), outcome
+        assert threads[0][1][0]["successful_episodes"] == 8
+        assert threads[1][1][0].batch_size == torch.Size([4, 2])
+    finally:
+        release.set()
+        holder.join(_BOUND_S)
+        engine.stop()
+    assert holder.exitcode == 0
 
 
 def _run_script(body: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:

@@ -458,8 +458,10 @@ class OnlineDataEngine(EngineLifecycle):
         return status
 
     def _quota_lock_check(self):
-        """The quota lock's wait: ends on a failure, or after ``sample_wait_timeout`` (a stopped holder)."""
-        return with_deadline(self._raise_if_failed, self.cfg.sample_wait_timeout, "The quota lock")
+        """The quota lock's wait: ends on a failure, or once its holder was stopped (SIGSTOP) for
+        ``sample_wait_timeout``; a live holder (a long batch copy) is waited for."""
+        lock = self._shared.quota.lock
+        return with_deadline(self._raise_if_failed, self.cfg.sample_wait_timeout, "The quota lock", lock)
 
     def get_sampling_budget_snapshot(self) -> dict[str, object]:
         """Per-episode quota table (published rows) and totals; raises if the engine FAILED."""

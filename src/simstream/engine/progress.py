@@ -111,6 +111,11 @@ class ProducerProgress:
         self._producers[worker, 0] = generation
         self.notify()
 
+    @property
+    def request_lock(self) -> SharedLock:
+        """The lock every refill request takes (its waits name it, see ``EngineShared.request_refill``)."""
+        return self._request_lock
+
     def request_generation(self, check: Callable[[], None] | None) -> int:
         """Coalescing refill request: a new generation only when none is outstanding.
 

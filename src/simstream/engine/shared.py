@@ -72,7 +72,8 @@ class EngineShared:
         Raises:
             TimeoutError: another requester (a stopped consumer) held the request lock ``timeout_s``.
         """
-        check = with_deadline(self.raise_if_failed, timeout_s, "The refill-request lock")
+        lock = self.progress.request_lock
+        check = with_deadline(self.raise_if_failed, timeout_s, "The refill-request lock", lock)
         return self.progress.request_generation(check)
 
     def record_samples(self, count: int, refill_after: int | None) -> None:

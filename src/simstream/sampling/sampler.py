@@ -278,9 +278,10 @@ class WindowSampler:
     ) -> TensorDict:
         quota = self.quota
         batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
-        # the lock's wait alone is bounded by the request's wait (a stopped holder); a deadline on every
-        # check would fail a request that simply took long
-        with quota.lock.held(with_deadline(check_failed, lock_wait_s, "The quota lock")):
+        # the lock's wait alone is bounded, and only while its holder is a stopped process: a live holder
+        # (another request's long copy) is waited for, and a deadline on every check would fail a request
+        # that simply took long
+        with quota.lock.held(with_deadline(check_failed, lock_wait_s, "The quota lock", quota.lock)):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
                 row_filter = self._rows_of(generations)
