@@ -43,12 +43,20 @@ def test_each_generation_is_requested_when_the_one_before_completes_not_at_the_n
         assert stats["successful_episodes"] >= 4 * 4
 
 
-def test_a_producer_failure_ends_the_loop_with_the_original_exception():
-    spec = ScriptedSpec(fault="raise", fault_after=3)
+@pytest.mark.parametrize(
+    ("fault", "error", "message"),
+    [
+        ("raise", KeyError, "scripted failure in rollout"),
+        # the producer's own TimeoutError is not a wait that ran out (the loop spun on it forever)
+        ("timeout", TimeoutError, "simulator step timed out"),
+    ],
+)
+def test_a_producer_failure_ends_the_loop_with_the_original_exception(fault, error, message):
+    spec = ScriptedSpec(fault=fault, fault_after=3)
     engine = OnlineDataEngine(make_cfg(spec, refill_policy="manual"))
     engine.start()
     try:
-        with pytest.raises(KeyError, match="scripted failure in rollout"):
+        with pytest.raises(error, match=message):
             refill_until(engine, lambda: False, lambda: None, every_s=0.05)
     finally:
         stop_quietly(engine)

@@ -52,7 +52,8 @@ class ScriptedSpec:
     fail_attempts: int = 0
     """The first N attempts of every window report a failed episode."""
     fault: str | None = None
-    """One of: raise, unpicklable, oddinit, exit, sigkill, segfault, hang, stall, bad_report, build_raise,
+    """One of: raise, timeout (a ``TimeoutError`` of the source's own), unpicklable, oddinit, exit, sigkill,
+    segfault, hang, stall, bad_report, build_raise,
     unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten),
     sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop), node_only
     (raises ``NodeOnlyError`` of a module ``simstream_node_only_error`` that only the producer can import)."""
@@ -95,6 +96,8 @@ class ScriptedSource:
         kind = spec.fault
         if kind == "raise":
             raise KeyError("scripted failure in rollout")
+        if kind == "timeout":
+            raise TimeoutError("simulator step timed out")
         if kind == "unpicklable":
             raise UnpicklableError("cannot travel as a pickle")
         if kind == "oddinit":

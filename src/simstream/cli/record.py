@@ -92,6 +92,8 @@ def refill_until(
         try:
             engine.wait_for_generation(generation, timeout=max(1e-3, next_tick - now))
         except TimeoutError:
+            # the wait ran out, or a producer raised a TimeoutError of its own: then the engine failed
+            engine.check_health()
             continue
         generation = engine.request_refill()
 
