@@ -204,6 +204,7 @@ class BatchGatherer:
         self._frames = tuple(spec.frame_shape for spec in storage.specs)
         self._frame_bytes = [source[0].numel() * source.element_size() for source in self._sources]
         self._all_frame_bytes = sum(self._frame_bytes)
+        self._checked: tuple | None = None
         self._every = tuple(range(len(self._paths)))
         self._layouts: dict[tuple[int, int, tuple[int, ...]], BatchLayout] = {}
         self._windows: dict[int, list[torch.Tensor | None]] = {}
@@ -212,6 +213,7 @@ class BatchGatherer:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_windows"] = {}  # views are rebuilt on demand, never pickled
+        state["_checked"] = None
         return state
 
     @property
@@ -259,7 +261,12 @@ class BatchGatherer:
         n, length = frames.shape
         columns = self._every if columns is None else columns
         if out is not None:
-            self._copy(frames, self._out_targets(out, n, length, columns), columns)
+            checked = self._checked  # the targets check_out() found for this very call, if any
+            if checked is not None and checked[0] is out and checked[1] == (n, length, columns):
+                self._checked, targets = None, checked[2]
+            else:
+                targets = self._out_targets(out, n, length, columns)
+            self._copy(frames, targets, columns)
             return out
         layout = self.layout(n, length, columns)
         key = (n, length, columns)
@@ -283,8 +290,10 @@ class BatchGatherer:
         )
 
     def check_out(self, out: TensorDict, n: int, length: int, columns: tuple[int, ...] | None) -> None:
-        """Raise as :meth:`gather` would for ``out`` (before anything is drawn or written)."""
-        self._out_targets(out, n, length, self._every if columns is None else columns)
+        """Raise as :meth:`gather` would for ``out`` (before anything is drawn or written); the next
+        :meth:`gather` into the same ``out`` reuses the targets found here instead of checking again."""
+        columns = self._every if columns is None else columns
+        self._checked = (out, (n, length, columns), self._out_targets(out, n, length, columns))
 
     def _out_targets(
         self, out: TensorDict, n: int, length: int, columns: tuple[int, ...]
