@@ -212,32 +212,45 @@ def test_features_that_do_not_match_on_append(tmp_path):
         DatasetWriter(tmp_path / "ds", features, 30)
 
 
-def test_a_field_of_shape_1_is_stored_as_lerobot_stores_shape_1(tmp_path):
+def test_a_field_of_shape_1_is_stored_as_lerobot_stores_shape_1_and_replays_with_its_shape(tmp_path):
     """LeRobot's reader casts every feature of shape [1] to one value per frame and cannot open a list of
-    one: a field of shape (1,) is stored as a plain column, appends to one, and replays as shape ()."""
+    one: a field of shape (1,) is stored as a plain column, marked in info.json (a key LeRobot ignores), and
+    replays as shape (1,), so a live source and its recording have the same fields (MixSpec needs it)."""
     import pyarrow.parquet as pq
 
-    listed = features_from_fields({**PatternSpec().fields(), "rewards": Field((1,))}, KeyMap(), video=True)
+    fields = {**PatternSpec().fields(), "rewards": Field((1,))}
+    listed = features_from_fields(fields, KeyMap(), video=True)
     writer = DatasetWriter(tmp_path / "ds", listed, 20)
-    writer.add(pattern_record(0, image_size=None))
+    for episode in range(2):
+        writer.add(pattern_record(episode, image_size=None))
     writer.flush()
     schema = pq.read_schema(tmp_path / "ds" / "data" / "chunk-000" / "file-000.parquet")
     assert str(schema.field("rewards").type) == "float"
     assert json.loads(schema.metadata[b"huggingface"])["info"]["features"]["rewards"]["_type"] == "Value"
-    plain = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
-    writer = DatasetWriter(tmp_path / "ds", plain, 20)  # a field of shape () appends to it
-    writer.add(pattern_record(1, image_size=None))
-    writer.flush()
+    info = json.loads((tmp_path / "ds" / "meta" / "info.json").read_text())
+    assert info["features"]["rewards"] == {
+        "dtype": "float32", "shape": [1], "names": None, "simstream.field_shape": [1]
+    }  # fmt: skip
     spec = LeRobotSpec(tmp_path / "ds")
-    assert spec.fields()["rewards"] == Field(())
+    assert spec.fields()["rewards"] == Field((1,))
     source = spec.build(0, 0)
     try:
         rewards = [source.reader.read(e).frames["rewards"] for e in range(2)]
     finally:
         source.close()
     for episode, values in enumerate(rewards):
-        expected = pattern_record(episode, image_size=None).frames["rewards"].reshape(-1)
-        np.testing.assert_array_equal(np.asarray(values).reshape(-1), expected)
+        expected = pattern_record(episode, image_size=None).frames["rewards"].reshape(-1, 1)
+        np.testing.assert_array_equal(np.asarray(values), expected)
+    # a field of shape () is stored the same way but is another field: appending it is refused
+    plain = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    refused = r"'rewards' is a field of shape \(1,\) in the dataset, \(\) in the recording"
+    with pytest.raises(ValueError, match=refused):
+        DatasetWriter(tmp_path / "ds", plain, 20)
+    # without the mark (LeRobot's own [1] features), a plain column is a field of shape ()
+    writer = DatasetWriter(tmp_path / "scalar", plain, 20)
+    writer.add(pattern_record(0, image_size=None))
+    writer.flush()
+    assert LeRobotSpec(tmp_path / "scalar").fields()["rewards"] == Field(())
 
 
 def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(tmp_path):

@@ -189,6 +189,7 @@ class EpisodeReader:
         if self._table is not None and self._table[0] == path:
             return self._table[1]
         wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
@@ -211,6 +212,8 @@ class EpisodeReader:
                 columns[f.key] = column.field("bytes").to_pylist()
             elif f.scalar:
                 columns[f.key] = column.to_numpy(zero_copy_only=False)
+            elif not pa.types.is_nested(column.type):  # a (1,) field, stored one value per frame
+                columns[f.key] = column.to_numpy(zero_copy_only=False).reshape(len(column), 1)
             else:
                 columns[f.key] = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1)
         for key in ("index", "task_index", "subtask_index", "segment_id"):

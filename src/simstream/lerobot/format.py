@@ -92,6 +92,11 @@ class LeRobotFormatError(ValueError):
     """A file is not what a LeRobot v3.0 dataset holds there (the message names the file)."""
 
 
+FIELD_SHAPE_KEY = "simstream.field_shape"
+"""Key of an ``info.json`` feature written only for a field of shape ``(1,)``: LeRobot stores it like a
+scalar (shape ``[1]``, one value per frame) and ignores the key; a replay reads it to restore the shape."""
+
+
 @dataclass(frozen=True)
 class Feature:
     """One payload feature: its LeRobot key, simstream field name and how it is stored."""
@@ -113,8 +118,14 @@ class Feature:
     def plain(self) -> bool:
         """Stored as one value per frame, not a list: every LeRobot feature of shape ``[1]`` is (its reader
         casts shape ``[1]`` to a plain value and cannot open a list of one). A field of shape ``(1,)``
-        is stored so too, and replays as shape ``()``."""
+        is stored so too (see :attr:`vector_of_one`)."""
         return not self.visual and (self.scalar or tuple(self.shape) == (1,))
+
+    @property
+    def vector_of_one(self) -> bool:
+        """A field of shape ``(1,)``: stored as a plain column like a scalar, and marked in ``info.json``
+        (:data:`FIELD_SHAPE_KEY`) so that a replay gives it back its shape."""
+        return not self.visual and not self.scalar and tuple(self.shape) == (1,)
 
     def field_spec(self) -> Field:
         if self.visual:
@@ -181,6 +192,8 @@ def info_features(features: list[Feature], fps: int, video_codec: str = "av1") -
             out[f.key] = entry
         else:
             out[f.key] = {"dtype": f.dtype, "shape": list(f.shape), "names": None}
+            if f.vector_of_one:
+                out[f.key][FIELD_SHAPE_KEY] = [1]
     out["timestamp"] = {"dtype": "float32", "shape": [1], "names": None}
     for key in (*BOOKKEEPING_KEYS[1:], *EXTRA_KEYS):
         out[key] = {"dtype": "int64", "shape": [1], "names": None}
@@ -216,7 +229,8 @@ def features_from_info(
                 )
             features.append(Feature(key, key_map.field(key), dtype, shape))
         elif dtype in _TORCH and len(shape) == 1:
-            features.append(Feature(key, key_map.field(key), dtype, shape, scalar=key in scalar_keys))
+            scalar = key in scalar_keys and spec.get(FIELD_SHAPE_KEY) != [1]
+            features.append(Feature(key, key_map.field(key), dtype, shape, scalar=scalar))
         else:  # string, audio and multi-dimensional features are not payload fields: skipped
             continue
         field = features[-1].field

@@ -32,6 +32,7 @@ from .format import (
     DATA_PATH,
     EPISODES_PATH,
     EXTRA_KEYS,
+    FIELD_SHAPE_KEY,
     STAT_NAMES,
     VIDEO_CODECS,
     VIDEO_GOP,
@@ -501,5 +502,10 @@ def _feature_differences(stored: dict, expected: dict) -> list[str]:
             differences.append(
                 f"{key!r} is {have.get('dtype')} {list(have.get('shape', ()))} in the dataset, "
                 f"{want['dtype']} {list(want['shape'])} in the recording"
+            )
+        elif have.get(FIELD_SHAPE_KEY) != want.get(FIELD_SHAPE_KEY):  # both stored as shape [1]
+            shapes = ["(1,)" if entry.get(FIELD_SHAPE_KEY) == [1] else "()" for entry in (have, want)]
+            differences.append(
+                f"{key!r} is a field of shape {shapes[0]} in the dataset, {shapes[1]} in the recording"
             )
     return differences
