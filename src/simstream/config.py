@@ -142,14 +142,20 @@ class OnlineDataEngineCfg:
         self._validate_recording()
         self._validate_sampling_budget()
         if self.refill_policy not in ("sample_threshold", "manual"):
-            raise ValueError("refill_policy must be 'sample_threshold' or 'manual'")
+            # the reference engine's message, then what was given
+            raise ValueError(
+                f"refill_policy must be 'sample_threshold' or 'manual', got {self.refill_policy!r}"
+            )
         if self.action_dim is not None and (type(self.action_dim) is not int or self.action_dim < 1):
-            raise ValueError("action_dim must be a positive integer or None")
+            raise ValueError(f"action_dim must be a positive integer or None, got {self.action_dim!r}")
         require_int("OnlineDataEngineCfg", "buffer_size", self.buffer_size, 1)
         _require_at_most("buffer_size", self.buffer_size, MAX_ROWS, f"an int in [1, {MAX_ROWS}]")
         capacity = self.lifecycle_event_capacity
         if type(capacity) is not int or (capacity != 0 and capacity < 2 * self.buffer_size):
-            raise ValueError("lifecycle_event_capacity must be zero or at least 2 * buffer_size")
+            raise ValueError(
+                "lifecycle_event_capacity must be zero or at least 2 * buffer_size, got "
+                f"{capacity!r} with buffer_size={self.buffer_size!r}"
+            )
         _require_at_most(
             "lifecycle_event_capacity",
             capacity,

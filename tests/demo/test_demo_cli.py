@@ -169,6 +169,7 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
     ("options", "message"),
     [
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
+        (["--num-workers", "0"], "OnlineDataEngineCfg.num_workers must be an int >= 1, got 0"),
         (["--seconds", "nan"], "StreamArgs.seconds must be a number in (0, 1e6], got nan"),
         (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),
         (
@@ -184,8 +185,9 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
 )
 def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):
     assert simstream(["stream", "--seconds", "1", *options]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert message in _one_line(err) and "Traceback" not in err
+    assert out == ""  # refused before it says it starts anything
 
 
 def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys):

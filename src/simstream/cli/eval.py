@@ -143,6 +143,8 @@ def run_eval(args: EvalArgs) -> dict:
         )
     seeds = eval_seeds(args.episodes, offset=args.seed_offset)
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)
+    if args.video is not None and record < args.video_episodes:
+        print(f"the video shows {record} episode(s): --episodes is {args.episodes}", flush=True)
     began = time.monotonic()
     with tqdm(total=len(seeds), desc=f"evaluating {checkpoint.task}", unit="ep", dynamic_ncols=True) as bar:
         result = evaluate_policy(

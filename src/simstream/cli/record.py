@@ -175,7 +175,11 @@ def main(argv: list[str]) -> int:
 
     parsed: list[RecordArgs] = []
     code = exit_code(
-        "simstream record", lambda: parsed.append(tyro.cli(RecordArgs, args=argv, prog="simstream record"))
+        "simstream record",
+        # one flag per switch (--no-video, not --no-video/--no-no-video)
+        lambda: parsed.append(
+            tyro.cli(RecordArgs, args=argv, prog="simstream record", config=(tyro.conf.FlagCreatePairsOff,))
+        ),
     )
     if code or not parsed:
         return code

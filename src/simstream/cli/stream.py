@@ -71,10 +71,11 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         backend=backend,
     )
     torch.set_num_threads(1)
+    engine = OnlineDataEngine(cfg)  # checks the config: a bad option is refused before anything is said
     where = " as Ray actors" if backend is not None else ""
     print(f"starting {args.num_workers} producer(s){where} on {type(source).__name__} ...", flush=True)
     began = time.monotonic()
-    with OnlineDataEngine(cfg) as engine:
+    with engine:
         print(f"first generation of {args.buffer_size} episodes ready in {time.monotonic() - began:.1f} s")
         first = engine.get_stats()
         batches, start = 0, time.monotonic()
