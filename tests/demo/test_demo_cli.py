@@ -53,7 +53,8 @@ def test_demo_quick_writes_report_plots_checkpoint_and_summary(quick_run):
     assert summary["final_loss"] > 0 and summary["final_loss"] == summary["final_loss"]  # finite, not NaN
     assert summary["stream"]["successful_episodes"] >= summary["config"]["buffer_size"]
     assert summary["stream"]["completed_generation"] >= 1
-    assert summary["stream"]["sampled_chunks"] >= summary["steps_done"] * summary["config"]["batch_size"]
+    assert summary["stream"]["trained_contexts"] == summary["steps_done"] * summary["config"]["batch_size"]
+    assert summary["stream"]["sampled_chunks"] >= summary["stream"]["trained_contexts"]
     # rates over the whole of training, however short it was
     steps, batch, span = summary["steps_done"], summary["config"]["batch_size"], summary["train_time_s"]
     assert summary["stream"]["mean_samples_per_s"] == pytest.approx(steps * batch / span)
@@ -64,6 +65,8 @@ def test_demo_quick_writes_report_plots_checkpoint_and_summary(quick_run):
     report = (quick_run / "report.md").read_text()
     assert f"({final['successes']}/{final['episodes']} episodes)" in report
     assert "![overview](overview.png)" in report
+    stream = summary["stream"]
+    assert f"training steps | {stream['sampled_chunks']} / {stream['trained_contexts']} (" in report
 
 
 def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, capsys):

@@ -101,6 +101,7 @@ def _stream_summary(log: TrainingLog, stats: dict[str, Any], batch_size: int) ->
         "successful_episodes": int(stats["successful_episodes"]),
         "completed_generation": int(stats["completed_generation"]),
         "sampled_chunks": int(stats["sampled_chunks"]),
+        "trained_contexts": log.steps_done * batch_size,
         "generated_frames": int(stats["generated_frames"]),
         "mean_samples_per_s": log.steps_done * batch_size / span,
         "mean_fresh_episodes_per_s": (stats["successful_episodes"] - log.episodes_at_start) / span,

@@ -252,8 +252,10 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         f"| first generation ready after | {summary['startup_time_s']:.1f} s |",
         f"| expert episodes published during the run | {stream['successful_episodes']} |",
         f"| buffer generations completed | {stream['completed_generation']} |",
-        f"| contexts sampled | {stream['sampled_chunks']} ({stream['mean_samples_per_s']:.0f}/s; "
-        f"fresh episodes {stream['mean_fresh_episodes_per_s']:.1f}/s) |",
+        "| contexts sampled: in all (normalisation statistics and prefetch included) / by training steps | "
+        f"{stream['sampled_chunks']} / {stream.get('trained_contexts', 'n/a')} "
+        f"({stream['mean_samples_per_s']:.0f}/s during training; fresh episodes "
+        f"{stream['mean_fresh_episodes_per_s']:.1f}/s) |",
         f"| share of each training step spent waiting for a batch | {summary['batch_wait_share']:.1%} "
         "(target: under 10%) |",
         *_vision_rows(summary),
