@@ -13,7 +13,6 @@ __all__ = [
     "DataUnavailableError",
     "OnlineDataBudgetExhaustedError",
     "OnlineDataWorkerError",
-    "WorkerTraceback",
     "add_note",
     "ended_process_error",
 ]
@@ -25,20 +24,6 @@ class OnlineDataWorkerError(RuntimeError):
     Also raised by ``stop()`` when a worker had to be terminated or killed, because a graceful close (and
     with it the durability of whatever the source flushes in ``close()``) could not be confirmed.
     """
-
-
-class WorkerTraceback(Exception):
-    """The traceback of an exception raised in another process (a producer), as text.
-
-    The exception that process published is raised here with this as its ``__cause__``, so an uncaught
-    one prints where it was raised, then where the trainer met it. The worker prints nothing itself.
-    """
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-
-    def __str__(self) -> str:
-        return "\n" + self.args[0].rstrip("\n")
 
 
 class DataUnavailableError(RuntimeError):

@@ -219,23 +219,26 @@ _FAILING_SCRIPT = """
 import traceback
 
 from simstream import OnlineDataEngine
-from simstream.errors import WorkerTraceback
 from tests.support.engines import make_cfg
 from tests.support.sources import ScriptedSpec
 
 if __name__ == "__main__":
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="raise")))
     try:
-        engine.start()
+        try:
+            raise ValueError("the trainer's own bug")
+        finally:
+            engine.start()  # the producer's failure interrupts the handling of the trainer's bug
     except KeyError as error:
-        assert isinstance(error.__cause__, WorkerTraceback), error.__cause__
+        assert isinstance(error.__context__, ValueError), error.__context__
         print("CAUGHT", "".join(traceback.format_exception(error)), flush=True)
 """
 
 
 def test_a_producer_failure_is_printed_once_by_the_owner_with_the_producers_traceback(tmp_path):
     """The producer prints nothing (a terminal showed every worker's traceback before the CLI's message);
-    the exception the owner raises carries the producer's traceback as its cause."""
+    the exception the owner raises carries the producer's traceback as a note, under its own, and the
+    trainer's own exception that it interrupted is still shown (a cause would have hidden it)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -250,9 +253,9 @@ def test_a_producer_failure_is_printed_once_by_the_owner_with_the_producers_trac
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Process producer" not in result.stderr, result.stderr
     printed = result.stdout.split("CAUGHT", 1)[1]
-    cause, _, raised = printed.partition(
-        "The above exception was the direct cause of the following exception"
-    )
-    assert "simstream.errors.WorkerTraceback: \nproducer-0: Traceback (most recent call last):" in cause
-    assert 'in _fault\n    raise KeyError("scripted failure in rollout")' in cause
-    assert raised.strip().endswith("KeyError: 'scripted failure in rollout'")
+    own, _, raised = printed.partition("During handling of the above exception, another exception occurred")
+    assert "ValueError: the trainer's own bug" in own
+    message, _, note = raised.partition("KeyError: 'scripted failure in rollout'\n")
+    assert "in engine.start()" in message or "engine.start()" in message
+    assert note.startswith("Traceback in producer-0:\nTraceback (most recent call last):"), note
+    assert 'in _fault\n    raise KeyError("scripted failure in rollout")' in note

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import asdict, dataclass
 
 from .._sync import SharedLock
-from ..errors import OnlineDataWorkerError, WorkerTraceback, add_note, ended_process_error
+from ..errors import OnlineDataWorkerError, add_note, ended_process_error
 
 __all__ = ["ErrorChannel", "FailureRecord", "cap_text", "describe_exit", "signal_name"]
 
@@ -309,8 +309,10 @@ class ErrorChannel:
             error = OnlineDataWorkerError(
                 f"OnlineDataEngine could not decode the worker error channel: {message}"
             )
-        if record.traceback_text and error.__cause__ is None:
-            error.__cause__ = WorkerTraceback(f"{record.worker}: {record.traceback_text}")
+        if "Traceback (most recent call last)" in record.traceback_text:
+            # a note, not a cause: a cause would hide the caller's own exception that this one interrupts
+            # (its __context__), and notes also survive ``raise ... from None`` and one-line reports
+            add_note(error, f"Traceback in {record.worker}:\n{record.traceback_text.rstrip()}")
         self._cache = (record, error)
         return record
 

@@ -62,7 +62,7 @@ def worker_entry(
     ``target`` is ``"module:function"``, imported *inside* the guard, so an import error in the child is
     reported like any other failure. User objects that may fail to unpickle in the child should travel as
     pickled bytes in ``args`` and be loaded by the target. The process exits with code 1; its traceback
-    travels with the published exception (the owner raises it with a ``WorkerTraceback`` cause) and is
+    travels with the published exception (every reader adds it as a note) and is
     printed here only when an earlier failure was published instead.
     """
     if entered is not None:
