@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -510,12 +511,9 @@ def _forkserver_and_its_children(owner: int) -> tuple[int | None, set[int]]:
 
 
 @pytest.mark.timeout(_SCRIPT_S + 60)
-@pytest.mark.parametrize("moment", ["preload", "producer"])
-def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_path, moment):
-    """Ctrl-C reaches the whole process group: once the forkserver exists (importing its preload, torch,
-    for a couple of seconds), and once a producer exists too (maybe still unpickling its arguments). Only
-    the owner may react: the forkserver once printed a KeyboardInterrupt traceback, and a producer started
-    but not yet registered was left to itself and printed one too."""
+def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_path):
+    """Ctrl-C reaches the whole process group, the forkserver importing its preload (torch, for a couple
+    of seconds) included: only the owner may react (the forkserver printed a KeyboardInterrupt traceback)."""
     import subprocess
     import sys
 
@@ -530,8 +528,8 @@ def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_
         assert owner.stdout.readline().strip() == "starting"
         deadline = time.monotonic() + _SCRIPT_S
         while time.monotonic() < deadline:  # a bounded poll: nothing tells when the forkserver forks
-            forkserver, producers = _forkserver_and_its_children(owner.pid)
-            if forkserver is not None and (moment == "preload" or producers):
+            forkserver, _ = _forkserver_and_its_children(owner.pid)
+            if forkserver is not None:
                 break
             threading.Event().wait(0.001)
         os.killpg(owner.pid, signal.SIGINT)
@@ -542,6 +540,67 @@ def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_
             owner.communicate(timeout=30)
     assert "Traceback" not in err, err[-3000:]
     assert owner.returncode == 0 and out.strip() in ("interrupted", "started"), (out, err[-3000:])
+
+
+_USER_PROCESS_SCRIPT = """
+import multiprocessing as mp
+import signal
+
+from simstream import OnlineDataEngine
+from tests.support.engines import make_cfg
+
+
+def report(pipe):
+    pipe.send(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+if __name__ == "__main__":
+    with OnlineDataEngine(make_cfg()):
+        pass
+    ctx = mp.get_context("forkserver")  # the engine's forkserver
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=report, args=(writer,))
+    process.start()
+    print("default handler:", reader.recv(), flush=True)
+    process.join()
+"""
+
+
+@pytest.mark.timeout(_SCRIPT_S + 60)
+def test_the_users_own_forkserver_processes_keep_python_s_ctrl_c_handler(tmp_path):
+    """The forkserver imports its preload with SIGINT ignored, then restores Python's handler: the
+    processes it starts for the user get KeyboardInterrupt on Ctrl-C as usual."""
+    result = _run_script(tmp_path / "user.py", _USER_PROCESS_SCRIPT, timeout=_SCRIPT_S)
+    assert result.stdout.strip() == "default handler: True", result.stderr[-3000:]
+
+
+def test_a_ctrl_c_during_a_workers_start_is_delivered_once_the_worker_is_registered(monkeypatch):
+    """A real SIGINT while Process.start() runs: the supervisor registers the started worker before the
+    KeyboardInterrupt surfaces, so its shutdown joins it (it was left to itself before)."""
+    from simstream.workers.channel import ErrorChannel
+    from simstream.workers.supervisor import WorkerSpec, WorkerSupervisor
+
+    ctx = mp.get_context("forkserver")
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    supervisor = WorkerSupervisor(
+        ctx, channel, is_closing=lambda: True, died_message=lambda label, code: "died"
+    )
+    start = mp.process.BaseProcess.start
+
+    def start_while_interrupted(process):
+        signal.raise_signal(signal.SIGINT)
+        start(process)
+
+    monkeypatch.setattr(mp.process.BaseProcess, "start", start_while_interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            supervisor.start([WorkerSpec("worker", "tests.support.workers:wait_for", (stop,))])
+        monkeypatch.undo()
+        assert list(supervisor.processes) == ["worker"]
+    finally:
+        stop.set()
+        report = supervisor.shutdown(30.0)
+    assert report.exitcodes == {"worker": 0} and not report.still_alive
 
 
 @pytest.mark.parametrize("during", ["stop", "start"])

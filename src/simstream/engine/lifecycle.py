@@ -408,7 +408,8 @@ def _start_forkserver_ignoring_ctrl_c() -> None:
     another thread the handler cannot be changed: it starts as it would anyway."""
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
+    # only the main thread may change handlers, and one installed outside Python cannot be put back
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         forkserver.ensure_running()
         return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # for the few ms of its spawn

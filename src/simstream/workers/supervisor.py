@@ -406,9 +406,10 @@ def _monitor_workers(
 def _ctrl_c_deferred():
     """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it to the handler in place.
 
-    Only the main thread can change handlers; elsewhere the block runs as it is.
+    Only the main thread can change handlers, and one installed outside Python (``getsignal`` gives
+    ``None``) cannot be put back: then the block runs as it is.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     held: list[int] = []
