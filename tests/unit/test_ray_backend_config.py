@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream import OnlineDataEngine, OnlineDataEngineCfg, OnlineDataWorkerError
 from simstream.ray import RayBackend, RayProducerError
 from simstream.ray.backend import backend_from_flags
 from tests.support.sources import ScriptedSpec
@@ -227,3 +227,28 @@ def test_the_ingest_joins_the_scripts_cluster_only_when_no_address_is_given(monk
     cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, backend=RayBackend(address=address))
     spec = _ray_ingest_spec(None, cfg, 2)
     assert spec.label == "ray-ingest" and spec.args[-1] == joined
+
+
+def test_an_actor_exception_only_ray_could_carry_keeps_its_type_message_and_the_actors_traceback():
+    """A class defined in a function (or an exception holding a lambda) crosses Ray by value but cannot
+    reach the error channel, which pickles by reference: it arrives as OnlineDataWorkerError with the
+    actor's traceback (it once lost the traceback), while a plain one arrives as itself."""
+    from ray.exceptions import RayTaskError
+
+    from simstream.ray.ingest import _original
+
+    def local_error() -> Exception:
+        class SimulatorCrashed(Exception):
+            pass
+
+        return SimulatorCrashed("physics exploded")
+
+    actor_traceback = 'Traceback (most recent call last):\n  File "source.py", line 7, in rollout\n'
+    wrapped = _original(RayTaskError("ProducerActor.generate", actor_traceback, local_error()))
+    assert isinstance(wrapped, OnlineDataWorkerError)
+    first_line = str(wrapped).splitlines()[0]
+    assert first_line.startswith(f"Worker raised {__name__}.test_an_actor_exception_only_ray_could_carry_")
+    assert first_line.endswith(".<locals>.local_error.<locals>.SimulatorCrashed: physics exploded")
+    assert 'File "source.py", line 7, in rollout' in str(wrapped)
+    plain = KeyError("scripted failure")
+    assert _original(RayTaskError("ProducerActor.generate", actor_traceback, plain)) is plain

@@ -583,14 +583,28 @@ class RayProducers:
 
 
 def _original(error: RayTaskError) -> BaseException:
-    """The exception the actor raised, with its original type and message."""
+    """The exception the actor raised, with its original type and message.
+
+    One that only crossed Ray by value (a class defined in a function or a notebook cell, an attribute
+    holding a lambda) cannot reach the error channel, which pickles by reference: it becomes an
+    ``OnlineDataWorkerError`` naming its type and message, with the actor's traceback.
+    """
     cause = getattr(error, "cause", None)
-    if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
-        return _as_main_class(cause)
+    if not isinstance(cause, BaseException) or isinstance(cause, RayTaskError):
+        try:
+            return error.as_instanceof_cause()
+        except Exception:
+            return error
+    cause = _as_main_class(cause)
     try:
-        return error.as_instanceof_cause()
+        pickle.loads(pickle.dumps(cause))
     except Exception:
-        return error
+        kind = f"{type(cause).__module__}.{type(cause).__qualname__}"
+        wrapped = OnlineDataWorkerError(
+            f"Worker raised {kind}: {cause}\n{getattr(error, 'traceback_str', '')}"
+        )
+        return wrapped
+    return cause
 
 
 def _as_main_class(error: BaseException) -> BaseException:
