@@ -251,6 +251,9 @@ def test_a_field_of_shape_1_is_stored_as_lerobot_stores_shape_1_and_replays_with
     writer.add(pattern_record(0, image_size=None))
     writer.flush()
     assert LeRobotSpec(tmp_path / "scalar").fields()["rewards"] == Field(())
+    legacy = r"'rewards' is a field of shape \(\) \(or \(1,\), recorded before simstream marked such fields"
+    with pytest.raises(ValueError, match=legacy):  # onto it, a (1,) field is refused, saying why it may be
+        DatasetWriter(tmp_path / "scalar", listed, 20)
 
 
 def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(tmp_path):

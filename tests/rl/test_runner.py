@@ -183,6 +183,26 @@ def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_pat
         assert resumed.iterations_done == 2 and resumed.policy_version == 2
 
 
+def test_ctrl_c_inside_an_update_saves_no_half_updated_model(tmp_path):
+    import signal
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        update = runner.learner.update
+
+        def interrupted_second_update(batch):
+            if runner.iterations_done == 1:
+                signal.raise_signal(signal.SIGINT)
+            return update(batch)
+
+        runner.learner.update = interrupted_second_update
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(10, save_interval=0, log_dir=str(tmp_path))
+        summary = runner.last_run_summary
+    assert summary["status"] == "interrupted" and summary["iterations"] == 1
+    assert summary["last_checkpoint"] is None
+    assert [name for name in os.listdir(tmp_path) if name.endswith((".pt", ".partial"))] == []
+
+
 def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
     with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(1, log_dir=str(tmp_path))
@@ -347,6 +367,21 @@ def test_cli_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, m
     assert message in " ".join((captured.out + captured.err).split()), captured
     assert "Traceback" not in captured.err
     assert not runs.exists()
+
+
+def test_cli_reports_an_env_package_whose_own_import_fails_as_that_failure(tmp_path, capsys, monkeypatch):
+    """The env's package exists but imports a missing dependency: exit 1 naming that dependency, not
+    "there is no module" (exit 2, a bad option)."""
+    from simstream.cli.rl import main
+
+    package = tmp_path / "simstream_broken_envs"
+    package.mkdir()
+    (package / "__init__.py").write_text("import simstream_missing_dependency\n")
+    (package / "envs.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["--env", "simstream_broken_envs.envs:Env-v0", "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 1 and "simstream_missing_dependency" in err and "there is no module" not in err, err
 
 
 def test_cli_names_a_runs_dir_it_cannot_create(tmp_path, capsys):

@@ -63,6 +63,8 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as error:  # a checkpoint that cannot be read (permissions, I/O): say why
+        raise ValueError(f"{str(path)!r} cannot be read: {error.strerror or error}") from error
     except Exception as error:  # torch's own text suggests weights_only=False: unsafe for an unknown file
         raise ValueError(
             f"{str(path)!r} is not a simstream policy checkpoint: torch.load cannot read it "

@@ -178,12 +178,15 @@ def run(args: RLArgs) -> int:
 
 
 def _importable(module: str) -> bool:
+    """False when ``module`` or a package above it does not exist (not when something it imports is
+    missing: that is the module's own error, reported as such)."""
     import importlib.util
 
     try:
         return importlib.util.find_spec(module) is not None
-    except ImportError:  # a parent package is missing
-        return False
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        return not (missing == module or module.startswith(missing + "."))
 
 
 def _bad_option(message: str) -> int:

@@ -505,6 +505,8 @@ def _feature_differences(stored: dict, expected: dict) -> list[str]:
             )
         elif have.get(FIELD_SHAPE_KEY) != want.get(FIELD_SHAPE_KEY):  # both stored as shape [1]
             shapes = ["(1,)" if entry.get(FIELD_SHAPE_KEY) == [1] else "()" for entry in (have, want)]
+            if shapes[0] == "()":  # a (1,) field recorded before such fields were marked reads as ()
+                shapes[0] = "() (or (1,), recorded before simstream marked such fields: record anew)"
             differences.append(
                 f"{key!r} is a field of shape {shapes[0]} in the dataset, {shapes[1]} in the recording"
             )

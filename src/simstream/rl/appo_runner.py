@@ -9,6 +9,7 @@ Data flow, one arrow per edge::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -82,6 +83,7 @@ class APPORunner(AsyncRunner):
         self.learner: APPOLearner = self._build_learner()
         self.policy_version = 0
         self.iterations_done = 0
+        self._updating = False
         self.trained_frames = 0
         self._frames_before = 0  # env frames of earlier runs (resume)
         self._frames_at_learn = 0  # env_frames when the current (or last) learn() call began
@@ -183,6 +185,7 @@ class APPORunner(AsyncRunner):
         writer = _tensorboard(log_dir)
         started, status, failure, checkpoint = time.monotonic(), "running", None, None
         self._frames_at_learn = self.env_frames  # rates count this call's frames, not a resumed run's
+        self._updating = False
         try:
             self._ensure_started(log_dir)
             for _ in range(max_iterations):
@@ -209,10 +212,16 @@ class APPORunner(AsyncRunner):
             status, failure = "collector_died", error.report
             raise
         except KeyboardInterrupt:
-            # Ctrl-C: what was learned so far is saved, as at the end of a run (a resume continues it)
+            # Ctrl-C: what was learned so far is saved, as at the end of a run (a resume continues it),
+            # unless it landed inside an update, whose model is half-way between two versions
             status = "interrupted"
-            if log_dir is not None and self.iterations_done > 0:
-                checkpoint = self.save_checkpoint(os.path.join(log_dir, f"model_{self.iterations_done}.pt"))
+            if log_dir is not None and self.iterations_done > 0 and not self._updating:
+                try:
+                    checkpoint = self.save_checkpoint(
+                        os.path.join(log_dir, f"model_{self.iterations_done}.pt")
+                    )
+                except Exception as error:  # the Ctrl-C is what the caller must see
+                    logger.warning("saving the interrupted run's checkpoint failed: %s", error)
             raise
         except BaseException as error:
             status, failure = "failed", f"{type(error).__name__}: {error}"
@@ -229,12 +238,14 @@ class APPORunner(AsyncRunner):
         taken, batch, episodes, timing, versions = self._next_batch()
         updated = time.perf_counter()
         lags = (self.policy_version - versions).flatten().tolist()
+        self._updating = True  # until the update is counted: a checkpoint now would mislabel the model
         metrics = self.learner.update(batch)
         timing["learner/update_s"] = time.perf_counter() - updated
         timing["learner/wait_s"] = updated - waited
         self.policy_version += 1
         self.weights.publish(self.learner.snapshot(), self.policy_version)
         self.iterations_done += 1
+        self._updating = False
         self.trained_frames += batch["rewards"].numel()
         for ret, length in episodes:
             self._returns.append(ret)
@@ -340,8 +351,13 @@ class APPORunner(AsyncRunner):
             "config": asdict(self.config),
             "dims": (self.obs_dim, self.act_dim),
         }
-        torch.save(state, partial)
-        os.replace(partial, path)
+        try:
+            torch.save(state, partial)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
         return path
 
     def load_checkpoint(self, path: str) -> None:
@@ -356,7 +372,9 @@ class APPORunner(AsyncRunner):
         """
         try:
             state = torch.load(path, map_location=self.device, weights_only=True)
-        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as error:
+        except OSError as error:  # a checkpoint that cannot be read (permissions, I/O): say why
+            raise ValueError(f"{path} cannot be read: {error.strerror or error}") from error
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as error:
             # torch's own text suggests weights_only=False: unsafe for a file that is not ours
             raise ValueError(
                 f"{path} is not a checkpoint torch.load can read ({type(error).__name__})"
