@@ -136,3 +136,40 @@ def test_exit_statuses_stay_readable_while_a_shutdown_waits_for_its_workers(meth
         stop.set()
         shutdown.join(60.0)
     assert reports[0].exitcodes == {"slow": 0} and not reports[0].forced
+
+
+def test_two_shutdowns_at_once_run_one_after_the_other():
+    """A stop() racing a failed start's cleanup: the second shutdown waits for the first, then finds the
+    workers gone (interleaved, one closed the processes the other still joined)."""
+    ctx = mp.get_context("fork")
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
+    process = supervisor.processes["slow"]
+    joining, join = threading.Event(), process.join
+
+    def join_and_tell(timeout=None):
+        joining.set()
+        return join(timeout)
+
+    process.join = join_and_tell
+    reports, errors = [], []
+
+    def shutdown() -> None:
+        try:
+            reports.append(supervisor.shutdown(60.0))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=shutdown) for _ in range(2)]
+    threads[0].start()
+    try:
+        assert joining.wait(30.0), "the first shutdown never began to wait for the worker"
+        threads[1].start()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(90.0)
+    assert not any(thread.is_alive() for thread in threads) and errors == []
+    assert reports[0].exitcodes == {"slow": 0} and reports[1].exitcodes == {}
+    assert supervisor.processes == {}

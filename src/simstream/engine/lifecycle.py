@@ -258,7 +258,9 @@ class EngineLifecycle:
                 self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
-                limit = self.cfg.shutdown_timeout + 10.0
+                limit = self.cfg.shutdown_timeout + 10.0  # the start's own bounded shutdown, and more
+                if self.cfg.backend is not None:
+                    limit += RAY_LEAVE_S
                 self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
                 if self.state is State.STOPPED:
                     return

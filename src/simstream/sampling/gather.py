@@ -34,8 +34,18 @@ _ALIGN = 64
 
 @cache
 def physical_memory() -> int:
-    """Bytes of physical memory on this machine (the bound of one batch, see ``BatchGatherer.check_fits``)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Bytes of memory this process may use: the machine's, or its container's (cgroup) limit when lower
+    (the bound of one batch, see ``BatchGatherer.check_fits``)."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            memory = min(memory, int(text))
+    return memory
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_MONITOR_STOP_S = 1.0
+"""How long a shutdown waits for the monitor thread to stop."""
 _JOIN_SLICE_S = 0.05
 """How long a stop holds the status lock per wait for a worker (see ``WorkerSupervisor._join_all``)."""
 
@@ -245,6 +247,9 @@ class WorkerSupervisor:
         self._monitor_stop = threading.Event()
         self._forcing = threading.Event()
         self._status_lock = threading.RLock()
+        self._shutdown_lock = threading.Lock()
+        """One shutdown at a time: two (a stop() racing a failed start's cleanup) would close the
+        processes one of them still joins."""
 
     @property
     def processes(self) -> dict[str, mp.process.BaseProcess]:
@@ -312,7 +317,20 @@ class WorkerSupervisor:
             return dead
 
     def shutdown(self, timeout_s: float, *, terminate_join_s: float = 3.0) -> ShutdownReport:
-        """Join every worker within ``timeout_s``, then terminate, then kill the stragglers."""
+        """Join every worker within ``timeout_s``, then terminate, then kill the stragglers.
+
+        A second shutdown meanwhile waits for the first (as long as the first may take), then finds the
+        workers gone.
+        """
+        bound = timeout_s + terminate_join_s + 1.0 + 2 * _MONITOR_STOP_S
+        if not self._shutdown_lock.acquire(timeout=bound):
+            raise RuntimeError(f"another shutdown of these workers did not finish within {bound:g} s")
+        try:
+            return self._shutdown(timeout_s, terminate_join_s)
+        finally:
+            self._shutdown_lock.release()
+
+    def _shutdown(self, timeout_s: float, terminate_join_s: float) -> ShutdownReport:
         report = ShutdownReport()
         self._join_all(list(self._processes.values()), timeout_s)
         for escalate, join_s in (("terminate", terminate_join_s), ("kill", 1.0)):
@@ -353,7 +371,7 @@ class WorkerSupervisor:
                 if time.monotonic() >= deadline:
                     break
 
-    def stop_monitor(self, timeout_s: float = 1.0) -> bool:
+    def stop_monitor(self, timeout_s: float = _MONITOR_STOP_S) -> bool:
         """Stop the monitor thread; ``False`` if it did not stop in time."""
         self._monitor_stop.set()
         if self._monitor is not None:
