@@ -305,6 +305,10 @@ class BatchGatherer:
         columns = self._every if columns is None else columns
         self._checked = (out, (n, length, columns), self._out_targets(out, n, length, columns))
 
+    def forget_checked(self) -> None:
+        """Drop what :meth:`check_out` kept for a gather that did not come (the call failed)."""
+        self._checked = None
+
     def _out_targets(
         self, out: TensorDict, n: int, length: int, columns: tuple[int, ...]
     ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
