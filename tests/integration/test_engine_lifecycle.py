@@ -603,14 +603,10 @@ def test_a_ctrl_c_during_a_workers_start_is_delivered_once_the_worker_is_registe
     assert report.exitcodes == {"worker": 0} and not report.still_alive
 
 
-@pytest.mark.parametrize("during", ["stop", "start"])
-def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(during, monkeypatch):
-    """A KeyboardInterrupt landing in stop()'s (or a failing start()'s) cleanup reaches the caller once;
-    it is not published, so a later stop() (the context manager's, the exit hook's) ends STOPPED instead
-    of raising that old Ctrl-C again, and no consumer reads it as the engine's failure."""
-    engine = OnlineDataEngine(make_cfg())
-    shutdown = engine._shutdown_workers
-    calls = []
+def _interrupt_first_shutdown(engine: OnlineDataEngine, monkeypatch) -> list:
+    """The engine's first worker shutdown raises KeyboardInterrupt at once, later ones run; returns the
+    list that counts the calls."""
+    shutdown, calls = engine._shutdown_workers, []
 
     def interrupted_once():
         calls.append(1)
@@ -619,6 +615,16 @@ def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(
         return shutdown()
 
     monkeypatch.setattr(engine, "_shutdown_workers", interrupted_once)
+    return calls
+
+
+@pytest.mark.parametrize("during", ["stop", "start"])
+def test_ctrl_c_in_the_owners_cleanup_is_raised_not_kept_as_the_engines_failure(during, monkeypatch):
+    """A KeyboardInterrupt landing in stop()'s (or a failing start()'s) cleanup reaches the caller once;
+    it is not published, so a later stop() (the context manager's, the exit hook's) ends STOPPED instead
+    of raising that old Ctrl-C again, and no consumer reads it as the engine's failure."""
+    engine = OnlineDataEngine(make_cfg())
+    calls = _interrupt_first_shutdown(engine, monkeypatch)
     if during == "start":
         monkeypatch.setattr(
             engine, "_wait_for_initial_fill", lambda: (_ for _ in ()).throw(KeyboardInterrupt)
@@ -669,15 +675,7 @@ def test_ctrl_c_during_the_cleanup_of_a_failed_start_reaches_the_caller(monkeypa
     """start() failed (its initial fill timed out) and a Ctrl-C landed in its cleanup: the caller gets the
     KeyboardInterrupt, the start's error as its context, instead of the error with the Ctrl-C as a note."""
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="stall"), initialization_timeout=0.5))
-    shutdown, calls = engine._shutdown_workers, []
-
-    def interrupted_once():
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        return shutdown()
-
-    monkeypatch.setattr(engine, "_shutdown_workers", interrupted_once)
+    calls = _interrupt_first_shutdown(engine, monkeypatch)
     with pytest.raises(KeyboardInterrupt) as raised:
         engine.start()
     assert isinstance(raised.value.__context__, TimeoutError)

@@ -16,6 +16,18 @@ _EXIT = "tests.support.workers:exit_when_told"
 _WAIT = "tests.support.workers:wait_for"
 
 
+def _tell_when_joined(process) -> threading.Event:
+    """An event set once something starts to join ``process``."""
+    joining, join = threading.Event(), process.join
+
+    def join_and_tell(timeout=None):
+        joining.set()
+        return join(timeout)
+
+    process.join = join_and_tell
+    return joining
+
+
 def _supervisor(ctx, channel, on_exit) -> WorkerSupervisor:
     return WorkerSupervisor(
         ctx,
@@ -113,14 +125,7 @@ def test_exit_statuses_stay_readable_while_a_shutdown_waits_for_its_workers(meth
     channel, stop = ErrorChannel(ctx), ctx.Event()
     supervisor = _supervisor(ctx, channel, None)
     supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
-    process = supervisor.processes["slow"]
-    joining, join = threading.Event(), process.join
-
-    def join_and_tell(timeout=None):
-        joining.set()
-        return join(timeout)
-
-    process.join = join_and_tell
+    joining = _tell_when_joined(supervisor.processes["slow"])
     reports = []
     shutdown = threading.Thread(target=lambda: reports.append(supervisor.shutdown(60.0)))
     shutdown.start()
@@ -145,14 +150,7 @@ def test_two_shutdowns_at_once_run_one_after_the_other():
     channel, stop = ErrorChannel(ctx), ctx.Event()
     supervisor = _supervisor(ctx, channel, None)
     supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
-    process = supervisor.processes["slow"]
-    joining, join = threading.Event(), process.join
-
-    def join_and_tell(timeout=None):
-        joining.set()
-        return join(timeout)
-
-    process.join = join_and_tell
+    joining = _tell_when_joined(supervisor.processes["slow"])
     reports, errors = [], []
 
     def shutdown() -> None:

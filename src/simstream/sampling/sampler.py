@@ -237,37 +237,26 @@ class WindowSampler:
         check_ready: Callable[[], None] | None,
         wait_s: float,
     ) -> TensorDict:
-        if out is None:
-            return self._sample_into(request, None, check_failed, check_ready, wait_s)
-        # refused before anything is drawn: the caller's generator stays where it was
-        self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
-        try:
-            return self._sample_into(request, out, check_failed, check_ready, wait_s)
-        finally:
-            self.gatherer.forget_checked()  # a call that failed keeps no reference to the caller's out
-
-    def _sample_into(
-        self,
-        request: _Request,
-        out: TensorDict | None,
-        check_failed: Callable[[], None] | None,
-        check_ready: Callable[[], None] | None,
-        wait_s: float,
-    ) -> TensorDict:
+        if out is not None:  # refused before anything is drawn: the caller's generator stays where it was
+            self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
         lock_wait_s = max(wait_s, 1.0)  # a stopped holder of the quota lock ends the wait too, after it
         try:
-            return self._try(request, out, check_failed, lock_wait_s)
-        except DataUnavailableError as error:
-            unavailable = error
-        retries = _Retries(self.tables.views().version, wait_s)
-        while retries.next_try(check_ready):
             try:
                 return self._try(request, out, check_failed, lock_wait_s)
             except DataUnavailableError as error:
                 unavailable = error
-            if retries.hopeless():
-                break
-        raise unavailable
+            retries = _Retries(self.tables.views().version, wait_s)
+            while retries.next_try(check_ready):
+                try:
+                    return self._try(request, out, check_failed, lock_wait_s)
+                except DataUnavailableError as error:
+                    unavailable = error
+                if retries.hopeless():
+                    break
+            raise unavailable
+        finally:
+            if out is not None:
+                self.gatherer.forget_checked()  # a call that failed keeps no reference to the caller's out
 
     def _try(self, request: _Request, out: TensorDict | None, check_failed, lock_wait_s: float) -> TensorDict:
         if self.quota is not None:
