@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 
@@ -56,6 +57,15 @@ def no_leaks():
     assert not children, f"test left child processes running: {children}"
     assert not extra_threads, f"test left threads running: {extra_threads}"
     assert not leaked_shm, f"test left shared-memory files: {leaked_shm}"
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's usual Ctrl-C handler for the test: a shell that runs a job in the background (CI) makes it
+    ignore SIGINT, and then a raised SIGINT would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def in_private_network_namespace() -> bool:

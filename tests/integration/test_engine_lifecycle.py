@@ -511,7 +511,7 @@ def _forkserver_and_its_children(owner: int) -> tuple[int | None, set[int]]:
 
 
 @pytest.mark.timeout(_SCRIPT_S + 60)
-def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_path):
+def test_ctrl_c_while_a_script_starts_its_engine_prints_no_worker_traceback(tmp_path, ctrl_c_raises):
     """Ctrl-C reaches the whole process group, the forkserver importing its preload (torch, for a couple
     of seconds) included: only the owner may react (the forkserver printed a KeyboardInterrupt traceback)."""
     import subprocess
@@ -574,7 +574,9 @@ def test_the_users_own_forkserver_processes_keep_python_s_ctrl_c_handler(tmp_pat
     assert result.stdout.strip() == "default handler: True", result.stderr[-3000:]
 
 
-def test_a_ctrl_c_during_a_workers_start_is_delivered_once_the_worker_is_registered(monkeypatch):
+def test_a_ctrl_c_during_a_workers_start_is_delivered_once_the_worker_is_registered(
+    monkeypatch, ctrl_c_raises
+):
     """A real SIGINT while Process.start() runs: the supervisor registers the started worker before the
     KeyboardInterrupt surfaces, so its shutdown joins it (it was left to itself before)."""
     from simstream.workers.channel import ErrorChannel

@@ -161,7 +161,7 @@ def test_checkpoint_and_resume_restore_every_part(tmp_path):
         assert row["rl/env_frames_per_s"] * row["rl/wall_s"] == pytest.approx(frames)
 
 
-def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_path):
+def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_path, ctrl_c_raises):
     """A real SIGINT after the second update: the summary says interrupted and names a checkpoint that
     resumes (``simstream rl`` lost every update since its last periodic save before)."""
     import signal
@@ -183,7 +183,7 @@ def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_pat
         assert resumed.iterations_done == 2 and resumed.policy_version == 2
 
 
-def test_ctrl_c_inside_an_update_saves_no_half_updated_model(tmp_path):
+def test_ctrl_c_inside_an_update_saves_no_half_updated_model(tmp_path, ctrl_c_raises):
     import signal
 
     with APPORunner(_tiny(mode="serial")) as runner:
