@@ -86,14 +86,21 @@ def with_deadline(
     return bounded
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...);
+    ``None`` when there is no such process."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def process_is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (by a signal or a tracer); ``False`` when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
+    return process_state(pid) in ("T", "t")
 
 
 class Doorbell:

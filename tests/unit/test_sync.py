@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from simstream._sync import Doorbell, ProcessSlots, SharedFlag, SharedLock, _rebuild_lock
+from simstream._sync import Doorbell, ProcessSlots, SharedFlag, SharedLock, _rebuild_lock, process_is_stopped
 from simstream.engine.progress import ProducerProgress
 from simstream.workers.channel import ErrorChannel
 
@@ -107,9 +107,7 @@ class _GaveUp(Exception):
 def _wait_until_stopped(pid: int) -> None:
     deadline = time.monotonic() + _BOUND_S
     while True:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-        if stat[stat.rindex(")") + 2] == "T":
+        if process_is_stopped(pid):
             return
         assert time.monotonic() < deadline, f"process {pid} did not stop"
         threading.Event().wait(0.001)

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from .._memory_order import require_ordered_memory
-from .._sync import SharedFlag, SharedLock, with_deadline
+from .._sync import SharedFlag, SharedLock, process_state, with_deadline
 from ..buffer.gate import RecordGate
 from ..buffer.index import EPISODE, EligibilityIndex
 from ..buffer.storage import TrajectoryStorage
@@ -502,14 +502,7 @@ class OnlineDataEngine(EngineLifecycle):
 
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not reaped yet, does not)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def _count(name: str, value: object) -> int:
