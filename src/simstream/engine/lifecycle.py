@@ -19,7 +19,7 @@ import weakref
 from ..errors import OnlineDataWorkerError, add_note
 from ..ray.backend import RAY_LEAVE_S
 from ..workers.channel import describe_exit
-from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
+from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child, sigint_handled
 from .state import OnlineDataEngineState as State
 
 __all__ = ["EngineLifecycle"]
@@ -258,9 +258,7 @@ class EngineLifecycle:
                 self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
-                limit = self.cfg.shutdown_timeout + 10.0  # the start's own bounded shutdown, and more
-                if self.cfg.backend is not None:
-                    limit += RAY_LEAVE_S
+                limit = self._workers_exit_s() + 10.0  # the start's own bounded shutdown, and more
                 self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
                 if self.state is State.STOPPED:
                     return
@@ -333,6 +331,11 @@ class EngineLifecycle:
             return self._shared.channel.error()
         return None
 
+    def _workers_exit_s(self) -> float:
+        """How long a stop waits for the workers to exit by themselves: ``shutdown_timeout``, and with Ray
+        ``RAY_LEAVE_S`` more (the ingest kills its actors and leaves Ray after the sources' closes)."""
+        return self.cfg.shutdown_timeout + (RAY_LEAVE_S if self.cfg.backend is not None else 0.0)
+
     def _shutdown_workers(self) -> bool:
         """Signal close, then join/terminate/kill every worker. Returns whether force was needed."""
         shared = self._shared
@@ -341,10 +344,7 @@ class EngineLifecycle:
         supervisor = self._supervisor
         if supervisor is None:
             return False
-        timeout = self.cfg.shutdown_timeout
-        if self.cfg.backend is not None:  # the Ray ingest kills its actors and leaves Ray after the closes
-            timeout += RAY_LEAVE_S
-        report = supervisor.shutdown(timeout)
+        report = supervisor.shutdown(self._workers_exit_s())
         self._forced_shutdown = self._forced_shutdown or report.forced
         if report.still_alive:
             raise RuntimeError(
@@ -410,15 +410,8 @@ def _start_forkserver_ignoring_ctrl_c() -> None:
     another thread the handler cannot be changed: it starts as it would anyway."""
     from multiprocessing import forkserver
 
-    # only the main thread may change handlers, and one installed outside Python cannot be put back
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+    with sigint_handled(signal.SIG_IGN):  # for the few ms of its spawn
         forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # for the few ms of its spawn
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _forkserver_not_started() -> bool:

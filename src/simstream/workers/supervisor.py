@@ -24,7 +24,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_sentinels
 
@@ -40,6 +40,7 @@ __all__ = [
     "owner_watch",
     "preparing_worker_process",
     "refuse_in_preparing_child",
+    "sigint_handled",
     "worker_entry",
 ]
 
@@ -421,21 +422,30 @@ def _monitor_workers(
 
 
 @contextlib.contextmanager
-def _ctrl_c_deferred():
-    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it to the handler in place.
+def sigint_handled(handler) -> Iterator[None]:
+    """Run the block with ``handler`` as the SIGINT (Ctrl-C) handler, then put the previous one back.
 
     Only the main thread can change handlers, and one installed outside Python (``getsignal`` gives
-    ``None``) cannot be put back: then the block runs as it is.
+    ``None``) cannot be put back: then the block runs with the handler in place.
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block is done, then deliver it to the handler in place."""
+    held: list[int] = []
+    try:
+        with sigint_handled(lambda number, frame: held.append(number)):
+            yield
+    finally:
         if held:
             signal.raise_signal(signal.SIGINT)
 
