@@ -15,6 +15,7 @@ __all__ = [
     "OnlineDataWorkerError",
     "add_note",
     "ended_process_error",
+    "unsendable_error",
 ]
 
 
@@ -73,6 +74,13 @@ def add_note(error: BaseException, note: str) -> None:
             notes = []
             error.__notes__ = notes
         notes.append(note)
+
+
+def unsendable_error(error: BaseException, traceback_text: str) -> OnlineDataWorkerError:
+    """What stands for ``error`` where it cannot travel as itself (it does not pickle): its type, message
+    and the traceback where it was raised."""
+    kind = f"{type(error).__module__}.{type(error).__qualname__}"
+    return OnlineDataWorkerError(f"Worker raised {kind}: {error}\n{traceback_text}")
 
 
 def ended_process_error(worker: str, kind: str, message: str) -> OnlineDataWorkerError:

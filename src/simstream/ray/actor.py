@@ -24,7 +24,7 @@ from ray import cloudpickle
 from tensordict import TensorDict
 
 from ..engine.window import GeneratedWindow, generate_window
-from ..errors import OnlineDataWorkerError, ended_process_error
+from ..errors import ended_process_error, unsendable_error
 
 __all__ = ["ProducerActor", "WindowFailure", "WindowPayload", "numpy_view"]
 
@@ -191,6 +191,5 @@ def _picklable_errors(worker_index: int):
             cloudpickle.loads(cloudpickle.dumps(error))
         except Exception:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            kind = f"{type(error).__module__}.{type(error).__qualname__}"
-            raise OnlineDataWorkerError(f"Worker raised {kind}: {error}\n{text}") from None
+            raise unsendable_error(error, text) from None
         raise

@@ -58,7 +58,7 @@ from ..config import OnlineDataEngineCfg
 from ..engine.publisher import Closing, WindowPublisher
 from ..engine.shared import EngineShared
 from ..engine.window import derive_worker_seed, window_starts
-from ..errors import OnlineDataWorkerError
+from ..errors import OnlineDataWorkerError, unsendable_error
 from ..workers.supervisor import ShutdownReport, owner_watch
 from .actor import ProducerActor, WindowFailure, WindowPayload, numpy_view
 from .backend import RayBackend, RayProducerError
@@ -599,11 +599,7 @@ def _original(error: RayTaskError) -> BaseException:
     try:
         pickle.loads(pickle.dumps(cause))
     except Exception:
-        kind = f"{type(cause).__module__}.{type(cause).__qualname__}"
-        wrapped = OnlineDataWorkerError(
-            f"Worker raised {kind}: {cause}\n{getattr(error, 'traceback_str', '')}"
-        )
-        return wrapped
+        return unsendable_error(cause, getattr(error, "traceback_str", ""))
     return cause
 
 
