@@ -47,16 +47,15 @@ _LAST_BACKOFF_S = 1e-3
 
 
 def with_deadline(
-    check: Callable[[], None] | None, timeout_s: float, what: str, lock: SharedLock | None = None
+    check: Callable[[], None] | None, timeout_s: float, what: str, lock: SharedLock
 ) -> Callable[[], None]:
-    """A lock wait's check that also raises ``TimeoutError`` once the wait is hopeless for ``timeout_s``.
+    """A wait for ``lock``'s check that also raises ``TimeoutError`` once its holder has been a stopped
+    process for ``timeout_s``.
 
     A holder that died releases a :class:`SharedLock`, and a failed engine ends a wait through ``check``;
-    a holder that is stopped (SIGSTOP, a debugger) does neither. With ``lock``, the seconds count only
-    while its holder is a stopped process: a live holder (a long batch copy under the quota lock) is waited
-    for. Without it, every second of the wait counts.
+    a holder that is stopped (SIGSTOP, a debugger) does neither. Only the seconds while the holder is
+    stopped count: a live holder (a long batch copy under the quota lock) is waited for.
     """
-    began = time.monotonic()
     stopped: tuple[int, float] | None = None  # (holder, since when it is seen stopped)
 
     def bounded() -> None:
@@ -64,13 +63,6 @@ def with_deadline(
         if check is not None:
             check()
         now = time.monotonic()
-        if lock is None:
-            if now - began > timeout_s:
-                raise TimeoutError(
-                    f"{what} was held for more than {timeout_s:g} s by another process that does not "
-                    "release it (stopped, e.g. by SIGSTOP or a debugger?)"
-                )
-            return
         holder = lock.holder_pid()
         if holder is None or not process_is_stopped(holder):
             stopped = None
