@@ -262,7 +262,9 @@ class AsyncRunner(ABC):
         if record is not None and not from_monitor and record.traceback_text:
             traceback_text = record.traceback_text
         report = format_collector_death(exitcode, traceback_text)
-        if from_monitor and exitcode is not None:  # e.g. it died preparing: a script without a main guard
+        # no traceback: it may have died preparing (a script without a main guard). The learner can see the
+        # death before the monitor thread publishes it, so the note does not wait for the monitor's record
+        if (record is None or from_monitor) and exitcode is not None:
             note = self._supervisor.exit_note(_LABEL, exitcode).strip()
             if note:
                 report += f"\n{note}"
