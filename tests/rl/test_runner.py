@@ -431,7 +431,7 @@ if __name__ == "__main__":
     cfg = APPOConfig(env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16)
     runner = APPORunner(cfg)
     runner.learn(2, log_dir=None)
-    print(runner.collector_pid, flush=True)
+    print(runner.collector_pid, runner._crash_log.directory, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the collector is orphaned
 """
 
@@ -480,3 +480,8 @@ def test_collector_exits_when_the_learner_is_killed(tmp_path):
     except AssertionError:
         os.kill(pid, 9)
         raise
+    crash_dir = text.split()[1]
+    assert "simstream-rl-" in crash_dir
+    assert not os.path.exists(crash_dir), (
+        "the orphaned collector left the learner's temporary crash-log directory"
+    )

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import os
+import shutil
 import signal
 import traceback
 from functools import partial
 
-from ..workers.supervisor import Heartbeat
+from ..workers.supervisor import Heartbeat, owner_watch
 
 __all__ = ["collector_entry", "resolve_target"]
 
@@ -36,9 +38,14 @@ def collector_entry(
     heartbeat: Heartbeat,
     startup_grace_s: float,
     crash_path: str,
+    crash_dir_is_temporary: bool,
     kwargs: dict,
 ) -> None:
-    """Run ``target(stop_event=..., heartbeat=..., **kwargs)`` with crash reporting armed."""
+    """Run ``target(stop_event=..., heartbeat=..., **kwargs)`` with crash reporting armed.
+
+    A temporary crash-log directory is the learner's to remove; when the learner is gone (killed, so its
+    ``close()`` never ran) the collector removes it on its way out, as nobody is left to read it.
+    """
     # Ctrl-C reaches the whole process group: the learner decides, and close() stops the collector cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     crash_log = open(crash_path, "a", buffering=1)  # noqa: SIM115 - must outlive this frame for faulthandler
@@ -56,3 +63,5 @@ def collector_entry(
     finally:
         faulthandler.disable()
         crash_log.close()
+        if crash_dir_is_temporary and owner_watch()():
+            shutil.rmtree(os.path.dirname(crash_path), ignore_errors=True)

@@ -167,6 +167,7 @@ class AsyncRunner(ABC):
             self._heartbeat,
             cfg.startup_timeout_s,
             self._crash_log.path,
+            self._crash_log.owns_directory,
             kwargs,
         )
         try:
