@@ -361,9 +361,12 @@ from simstream import OnlineDataEngine
 from tests.support.engines import make_cfg, stop_quietly
 
 if __name__ == "__main__":
+    from multiprocessing import forkserver, util
+
     engine = OnlineDataEngine(make_cfg(num_workers=2))
     engine.start()
     print(" ".join(str(p.pid) for p in engine._supervisor.processes.values()), flush=True)
+    print(forkserver._forkserver._forkserver_pid, util.get_temp_dir(), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -393,11 +396,17 @@ def _run_script(path, text: str, timeout: float, args: tuple[str, ...] | list[st
 
 @pytest.mark.timeout(_SCRIPT_S + 60)
 def test_producers_exit_when_the_owner_is_killed(tmp_path):
+    """...and the forkserver removes the owner's ``pymp-*`` directory, which the SIGKILL left behind."""
     result = _run_script(tmp_path / "owner.py", _ORPHAN_SCRIPT, timeout=_SCRIPT_S)
-    pids = [int(p) for p in result.stdout.split()]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stderr[-2000:]
+    pids = [int(p) for p in lines[0].split()]
     assert len(pids) == 2, result.stderr[-2000:]
+    forkserver_pid, temp_dir = lines[1].split()
 
-    wait_for_exit(pids, 10, "orphaned producers")
+    wait_for_exit([*pids, int(forkserver_pid)], 10, "orphaned producers and forkserver")
+    assert os.path.basename(temp_dir).startswith("pymp-")
+    assert not os.path.exists(temp_dir), "the forkserver left its killed owner's multiprocessing directory"
 
 
 _UNGUARDED_SCRIPT = """
