@@ -306,6 +306,55 @@ def test_shutdown_closes_sources_whose_build_finished_unreceived(cluster):
         stop_quietly(engine)
 
 
+_STOP_DURING_RAY_INIT = """
+import threading, time
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.ray import RayBackend
+from tests.ray_backend.conftest import ray_processes, wait_for
+from tests.support.sources import ScriptedSpec
+
+if __name__ == "__main__":
+    # a cluster of its own ("local"): the ingest's ray.init starts one, which takes seconds
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=1, refill_policy="manual",
+                              shutdown_timeout=1.0, initialization_timeout=120.0,
+                              backend=RayBackend(address="local", num_cpus=0))
+    engine = OnlineDataEngine(cfg)
+    refusals = []
+
+    def start():
+        try:
+            engine.start()
+        except RuntimeError as error:
+            refusals.append(str(error))
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    wait_for(lambda: engine._ray_joining is not None and engine._ray_joining.value, "the ingest's ray.init")
+    engine.stop()
+    starter.join(60)
+    wait_for(lambda: not ray_processes(), "the ingest's own cluster to end")
+    print(engine.state.value, refusals, flush=True)
+"""
+
+
+def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_clean(cluster, tmp_path):
+    """``ray.init`` cannot be interrupted: the stop waits for it instead of terminating the ingest past its
+    exit bound (which failed the engine with a durability error)."""
+    script = tmp_path / "stop_during_init.py"
+    script.write_text(_STOP_DURING_RAY_INIT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=150, check=False,
+        env={**env, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "STOPPED ['OnlineDataEngine.start() was cancelled by stop().']", (
+        result.stdout + result.stderr[-3000:]
+    )
+    assert "did not exit in time" not in result.stderr, result.stderr[-3000:]
+
+
 def test_owner_killed_leaves_no_actor_running(cluster):
     import ray
 

@@ -79,6 +79,7 @@ class OnlineDataEngine(EngineLifecycle):
         self._cleanup_complete = False
         self._forced_shutdown = False
         self._supervisor = None
+        self._ray_joining = None
         if not isinstance(cfg, OnlineDataEngineCfg):
             raise TypeError(f"OnlineDataEngine expects an OnlineDataEngineCfg, got {type(cfg).__name__}")
         layout = cfg.validate()
@@ -138,6 +139,7 @@ class OnlineDataEngine(EngineLifecycle):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_supervisor"] = None
+        state["_ray_joining"] = None
         state["_lifecycle"] = None
         return state
 

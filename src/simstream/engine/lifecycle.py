@@ -58,6 +58,8 @@ class EngineLifecycle:
     """Mixin owning the worker processes; expects ``self._shared``, ``self.cfg``, ``self._spec_bytes``."""
 
     _supervisor: WorkerSupervisor | None
+    _ray_joining: object
+    """Ray backend: when the ingest entered ``ray.init`` (``time.monotonic()``), 0.0 outside it."""
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -126,7 +128,8 @@ class EngineLifecycle:
             ctx.set_forkserver_preload(["simstream.engine.forkserver_preload"])
             _start_forkserver_ignoring_ctrl_c()
         if cfg.backend is not None:  # Ray actors, fed into the buffer by one ingest process
-            specs = [_ray_ingest_spec(shared, cfg, self._num_envs)]
+            self._ray_joining = ctx.Value("d", 0.0, lock=False)
+            specs = [_ray_ingest_spec(shared, cfg, self._num_envs, self._ray_joining)]
         else:
             specs = [
                 WorkerSpec(
@@ -258,7 +261,8 @@ class EngineLifecycle:
                 self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
-                limit = self._workers_exit_s() + 10.0  # the start's own bounded shutdown, and more
+                # the start's own bounded shutdown (with a wait for an ingest inside ray.init), and more
+                limit = self._workers_exit_s() + self._ray_join_bound_s() + 10.0
                 self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
                 if self.state is State.STOPPED:
                     return
@@ -336,6 +340,26 @@ class EngineLifecycle:
         ``RAY_LEAVE_S`` more (the ingest kills its actors and leaves Ray after the sources' closes)."""
         return self.cfg.shutdown_timeout + (RAY_LEAVE_S if self.cfg.backend is not None else 0.0)
 
+    def _ray_join_bound_s(self) -> float:
+        return self.cfg.initialization_timeout if self.cfg.backend is not None else 0.0
+
+    def _wait_while_joining_ray(self, supervisor: WorkerSupervisor) -> None:
+        """Let a Ray ingest finish ``ray.init`` before its exit is timed.
+
+        ``ray.init`` cannot be interrupted, and starting a local cluster takes seconds (15 on a loaded
+        2-core machine): an ingest stopped inside it would be terminated past its exit bound and the
+        stop reported as a forced one. The wait ends ``initialization_timeout`` after the ingest entered
+        ``ray.init``, or when the ingest is gone.
+        """
+        joining = self._ray_joining
+        while joining is not None and joining.value:
+            if (
+                time.monotonic() >= joining.value + self.cfg.initialization_timeout
+                or supervisor.dead_workers()
+            ):
+                return
+            time.sleep(0.05)
+
     def _shutdown_workers(self) -> bool:
         """Signal close, then join/terminate/kill every worker. Returns whether force was needed."""
         shared = self._shared
@@ -344,6 +368,7 @@ class EngineLifecycle:
         supervisor = self._supervisor
         if supervisor is None:
             return False
+        self._wait_while_joining_ray(supervisor)
         report = supervisor.shutdown(self._workers_exit_s())
         self._forced_shutdown = self._forced_shutdown or report.forced
         if report.still_alive:
@@ -381,8 +406,9 @@ class EngineLifecycle:
             pass
 
 
-def _ray_ingest_spec(shared, cfg, num_envs: int) -> WorkerSpec:
-    """The ingest process of the Ray backend (``ray`` is imported here, only for such an engine)."""
+def _ray_ingest_spec(shared, cfg, num_envs: int, joining) -> WorkerSpec:
+    """The ingest process of the Ray backend (``ray`` is imported here, only for such an engine);
+    ``joining`` holds when it entered ``ray.init`` while it is inside it."""
     import pickle
 
     import ray
@@ -401,7 +427,7 @@ def _ray_ingest_spec(shared, cfg, num_envs: int) -> WorkerSpec:
     return WorkerSpec(
         label="ray-ingest",
         target="simstream.ray.ingest:run_ingest",
-        args=(shared, pickle.dumps(cfg), spec_bytes, num_envs, address),
+        args=(shared, pickle.dumps(cfg), spec_bytes, num_envs, address, joining),
     )
 
 

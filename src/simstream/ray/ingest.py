@@ -84,7 +84,12 @@ _DURABILITY_MESSAGE = (
 
 
 def run_ingest(
-    shared: EngineShared, cfg_bytes: bytes, spec_bytes: bytes, num_envs: int, address: str | None
+    shared: EngineShared,
+    cfg_bytes: bytes,
+    spec_bytes: bytes,
+    num_envs: int,
+    address: str | None,
+    joining=None,
 ) -> None:
     """Body of the ingest process (started through :func:`~simstream.workers.supervisor.worker_entry`).
 
@@ -94,11 +99,13 @@ def run_ingest(
         spec_bytes: ``cfg.source`` pickled by value (cloudpickle) in the owner, for the actors.
         num_envs: Rows per window.
         address: The Ray cluster to join (``None``: ``RAY_ADDRESS`` or a new local cluster).
+        joining: A shared double set to ``time.monotonic()`` while this process is inside ``ray.init``
+            (the owner's stop waits for it to come out), else 0.0.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides; its stop() ends this process
     torch.set_num_threads(1)
     cfg = pickle.loads(cfg_bytes)
-    producers = RayProducers(shared, cfg, num_envs, spec_bytes, address)
+    producers = RayProducers(shared, cfg, num_envs, spec_bytes, address, joining)
     try:
         producers.start()
         # ray.init installs a SIGTERM handler that raises SystemExit, which would be published as this
@@ -179,12 +186,14 @@ class RayProducers:
         num_envs: int,
         spec_bytes: bytes,
         address: str | None,
+        joining=None,
     ):
         self._shared = shared
         self._cfg = cfg
         self._backend: RayBackend = cfg.backend
         self._spec_bytes = spec_bytes
         self._address = address
+        self._joining = joining
         self._num_envs = num_envs
         self._stop = threading.Event()
         self._owner_gone = owner_watch()
@@ -203,7 +212,13 @@ class RayProducers:
     def start(self) -> None:
         """Connect to Ray and start every actor (building happens in the actors)."""
         if not ray.is_initialized():
-            ray.init(address=self._address, logging_level=logging.WARNING)
+            if self._joining is not None:
+                self._joining.value = time.monotonic()
+            try:
+                ray.init(address=self._address, logging_level=logging.WARNING)
+            finally:
+                if self._joining is not None:
+                    self._joining.value = 0.0
             self._initialized_ray = True
         self._actor_class = ray.remote(concurrency_groups={"control": 1, "watch": 1})(ProducerActor)
         for producer in self._producers:
