@@ -19,6 +19,12 @@ from tests.support.sources import ScriptedSpec
 _BAD_FIELDS = [
     pytest.param("address", "", r"RayBackend\.address must be None or a nonempty string", id="address-empty"),
     pytest.param("address", 5, r"RayBackend\.address must be None or a nonempty string", id="address-int"),
+    pytest.param(
+        "address",
+        "ray://head:10001",
+        r"RayBackend\.address must be a cluster's GCS address .*not a Ray Client address, got 'ray://head",
+        id="address-ray-client",
+    ),
     pytest.param("resources", ["sim"], r"RayBackend\.resources must be a mapping", id="resources-list"),
     pytest.param(
         "resources", {"CPU": 1}, r"RayBackend\.resources must be a mapping whose keys", id="res-cpu"
@@ -181,6 +187,10 @@ def test_flags_build_the_backend():
         backend_from_flags("DemoConfig", "mpi", None)
     with pytest.raises(ValueError, match=r"DemoConfig\.ray_address must be None unless backend is 'ray'"):
         backend_from_flags("DemoConfig", "local", "auto")
+    with pytest.raises(
+        ValueError, match=r"DemoConfig\.ray_address must be a cluster's GCS address .*Ray Client"
+    ):
+        backend_from_flags("DemoConfig", "ray", " ray://head:10001")
 
 
 def test_producer_error_pickles_with_its_fields():
@@ -225,8 +235,8 @@ def test_the_ingest_joins_the_scripts_cluster_only_when_no_address_is_given(monk
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.1:6379"))
     cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, backend=RayBackend(address=address))
-    spec = _ray_ingest_spec(None, cfg, 2)
-    assert spec.label == "ray-ingest" and spec.args[-1] == joined
+    spec = _ray_ingest_spec(None, cfg, 2, joining=None)
+    assert spec.label == "ray-ingest" and spec.args[4] == joined
 
 
 def test_an_actor_exception_only_ray_could_carry_keeps_its_type_message_and_the_actors_traceback():

@@ -56,7 +56,9 @@ class RayBackend:
 
     address: str | None = None
     """Ray cluster to join: ``None`` uses the current connection if there is one, else ``ray.init()``
-    (which honours ``RAY_ADDRESS``); ``"auto"`` or ``"host:port"`` joins a running cluster."""
+    (which honours ``RAY_ADDRESS``); ``"auto"`` or ``"host:port"`` (the GCS address) joins a running
+    cluster, ``"local"`` starts a private one. A Ray Client address (``ray://``) is refused: the ingest
+    joins as a driver (a script connected through Ray Client may leave this ``None``)."""
     resources: Mapping[str, float] = field(default_factory=dict)
     """Custom resources every producer actor requires, e.g. ``{"sim": 1}`` to keep producers on the
     simulation machines (started with ``ray start --resources '{"sim": N}'``)."""
@@ -106,13 +108,7 @@ class RayBackend:
         Raises:
             ValueError: naming the field and its accepted range.
         """
-        require(
-            self.address is None or (isinstance(self.address, str) and self.address.strip() != ""),
-            _OWNER,
-            "address",
-            "None or a nonempty string ('auto', 'host:port', 'ray://host:port')",
-            self.address,
-        )
+        require_ray_address(_OWNER, "address", self.address)
         resources = self.resources
         require(
             isinstance(resources, Mapping),
@@ -214,11 +210,30 @@ def backend_from_flags(owner: str, backend: str, ray_address: str | None) -> Ray
     if backend == "local":
         require(ray_address is None, owner, "ray_address", "None unless backend is 'ray'", ray_address)
         return None
-    require(
-        ray_address is None or (isinstance(ray_address, str) and ray_address.strip() != ""),
-        owner,
-        "ray_address",
-        "None or a nonempty address ('auto', 'host:port')",
-        ray_address,
-    )
+    require_ray_address(owner, "ray_address", ray_address)
     return RayBackend(address=ray_address)
+
+
+def require_ray_address(owner: str, name: str, address: object) -> None:
+    """Raise ``ValueError`` unless ``address`` is ``None``, ``"auto"``, ``"local"`` or a cluster address.
+
+    A Ray Client address (``ray://``) is refused: the ingest must join the cluster as a driver on the
+    trainer's machine (Ray Client supports neither the actors' concurrency groups nor the driver's import
+    path), so it takes the cluster's GCS address even when the script itself connected through Ray Client.
+    """
+    require(
+        address is None or (isinstance(address, str) and address.strip() != ""),
+        owner,
+        name,
+        "None or a nonempty string ('auto', 'local', 'host:port')",
+        address,
+    )
+    require(
+        address is None or not address.strip().startswith("ray://"),
+        owner,
+        name,
+        "a cluster's GCS address ('host:port', usually port 6379), not a Ray Client address",
+        address,
+        "The ingest joins the cluster as a driver on the trainer's machine; a script connected through "
+        "Ray Client may leave the address None, and the ingest joins that cluster at its GCS address",
+    )
