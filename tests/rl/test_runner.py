@@ -183,24 +183,94 @@ def test_ctrl_c_during_learn_saves_the_model_and_records_an_interruption(tmp_pat
         assert resumed.iterations_done == 2 and resumed.policy_version == 2
 
 
-def test_ctrl_c_inside_an_update_saves_no_half_updated_model(tmp_path, ctrl_c_raises):
+def _interrupt_update(runner, at_iteration: int, error: type[BaseException] | None = None) -> None:
+    """Make the update after ``at_iteration`` updates raise a real SIGINT inside it (or ``error``)."""
     import signal
 
+    update = runner.learner.update
+
+    def interrupted(batch):
+        if runner.iterations_done == at_iteration:
+            if error is not None:
+                raise error("injected failure inside an update")
+            signal.raise_signal(signal.SIGINT)
+        return update(batch)
+
+    runner.learner.update = interrupted
+
+
+def test_ctrl_c_inside_an_update_takes_effect_after_it_and_saves_the_updated_model(tmp_path, ctrl_c_raises):
+    """Landing inside an update, a Ctrl-C once saved no checkpoint at all (an update is most of the time
+    of a small task): it now waits for the update to be counted, and the model after it is saved."""
     with APPORunner(_tiny(mode="serial")) as runner:
-        update = runner.learner.update
-
-        def interrupted_second_update(batch):
-            if runner.iterations_done == 1:
-                signal.raise_signal(signal.SIGINT)
-            return update(batch)
-
-        runner.learner.update = interrupted_second_update
+        _interrupt_update(runner, at_iteration=1)
         with pytest.raises(KeyboardInterrupt):
             runner.learn(10, save_interval=0, log_dir=str(tmp_path))
         summary = runner.last_run_summary
-    assert summary["status"] == "interrupted" and summary["iterations"] == 1
-    assert summary["last_checkpoint"] is None
-    assert [name for name in os.listdir(tmp_path) if name.endswith((".pt", ".partial"))] == []
+        assert runner.weights.version == runner.policy_version == 2
+    assert summary["status"] == "interrupted" and summary["iterations"] == 2
+    assert summary["last_checkpoint"] == os.path.join(str(tmp_path), "model_2.pt")
+    assert sorted(name for name in os.listdir(tmp_path) if name.endswith((".pt", ".partial"))) == [
+        "model_2.pt"
+    ]
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError], ids=["ctrl-c", "exception"])
+def test_a_sync_runner_trains_on_after_an_update_was_interrupted_or_failed(error, request):
+    """The sync collector waits for a newer policy before each rollout: an update cut short published
+    none, and every later learn() timed out waiting for a rollout."""
+    if error is None:
+        request.getfixturevalue("ctrl_c_raises")
+    cfg = _tiny(mode="sync", runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
+    with APPORunner(cfg) as runner:
+        _interrupt_update(runner, at_iteration=1, error=error)
+        with pytest.raises(error or KeyboardInterrupt, match=None if error is None else "injected failure"):
+            runner.learn(10, log_dir=None)
+        del runner.learner.update  # the class's own again
+        summary = runner.learn(2, log_dir=None)
+    assert summary["status"] == "completed"
+    assert summary["iterations"] == (4 if error is None else 3)
+
+
+def test_a_serial_rollout_cut_short_gives_its_ring_slot_back(ctrl_c_raises):
+    """Serial mode collects in the learner's own process: a Ctrl-C inside a rollout kept its slot
+    (WRITING) for good, and after ``num_slots`` of them learn() waited forever."""
+    import signal
+
+    from simstream.rl.ring import FREE
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(1, log_dir=None)
+        collector = runner._serial
+        step = collector._step
+        calls = {"count": 0}
+
+        def interrupted_step(view, t, episodes):
+            calls["count"] += 1
+            if calls["count"] == 5:
+                signal.raise_signal(signal.SIGINT)
+            return step(view, t, episodes)
+
+        collector._step = interrupted_step
+        for _ in range(runner.config.num_slots + 1):
+            calls["count"] = 0
+            with pytest.raises(KeyboardInterrupt):
+                runner.learn(1, log_dir=None)
+            assert runner.ring.states() == [FREE] * runner.config.num_slots
+        collector._step = step
+        summary = runner.learn(2, log_dir=None)
+    assert summary["status"] == "completed" and summary["iterations"] == 3
+
+
+def test_load_checkpoint_on_a_closed_runner_is_refused_before_anything_changes(tmp_path):
+    runner = APPORunner(_tiny(mode="serial"))
+    with runner:
+        runner.learn(1, log_dir=str(tmp_path))
+    path = runner.last_run_summary["last_checkpoint"]
+    version = runner.policy_version
+    with pytest.raises(RuntimeError, match="APPORunner is closed; create a new runner to train again"):
+        runner.load_checkpoint(path)
+    assert runner.policy_version == version
 
 
 def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
@@ -337,6 +407,51 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
     assert "injected failure" in (tmp_path / "dies" / "collector_crash.log").read_text()
 
 
+@pytest.mark.timeout(_SCRIPT_S + 60)
+def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path):
+    """A scheduler's or ``kill``'s SIGTERM ended the run with no checkpoint and no summary.json."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from simstream.cli.rl import EXIT_TERMINATED
+
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "term"
+    command = [
+        sys.executable, "-m", "simstream", "rl", "--env", env_id("none"), "--num-envs", "2",
+        "--steps-per-rollout", "16", "--minibatch-size", "16", "--iterations", "100000",
+        "--save-interval", "1", "--runs-dir", str(tmp_path), "--name", "term", "--no-progress",
+    ]  # fmt: skip
+    with open(tmp_path / "out.txt", "w") as out:
+        cli = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )
+        try:
+            deadline = time.monotonic() + _SCRIPT_S
+            while not (run_dir / "model_2.pt").exists():  # two updates done (bounded, and checks the CLI)
+                assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
+                threading.Event().wait(0.05)
+            cli.send_signal(signal.SIGTERM)
+            code = cli.wait(timeout=60)
+        finally:
+            cli.kill()
+            cli.wait(30)
+    text = (tmp_path / "out.txt").read_text()
+    assert code == EXIT_TERMINATED == 143, text[-3000:]
+    assert "simstream rl: terminated (SIGTERM)" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["iterations"] >= 2
+    assert summary["last_checkpoint"] == str(run_dir / f"model_{summary['iterations']}.pt")
+    assert os.path.exists(summary["last_checkpoint"])
+    assert not (run_dir / "collector_crash.log").exists()
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -423,14 +538,14 @@ def test_async_ppo_learns_inverted_pendulum():
 
 
 _ORPHAN_SCRIPT = """
-import os, signal
+import os, signal, sys
 from simstream.rl import APPOConfig, APPORunner
 from tests.rl.fault_env import env_id
 
 if __name__ == "__main__":
     cfg = APPOConfig(env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16)
     runner = APPORunner(cfg)
-    runner.learn(2, log_dir=None)
+    runner.learn(2, log_dir=None if sys.argv[1] == "-" else sys.argv[1], save_interval=0)
     print(runner.collector_pid, runner._crash_log.directory, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the collector is orphaned
 """
@@ -457,7 +572,10 @@ def test_a_script_that_crashes_without_close_leaves_no_crash_log_directory(tmp_p
     assert "simstream-rl-" in directory and not os.path.exists(directory)
 
 
-def test_collector_exits_when_the_learner_is_killed(tmp_path):
+@pytest.mark.parametrize("run_dir", [False, True], ids=["temporary-crash-log", "run-directory"])
+def test_collector_exits_when_the_learner_is_killed(tmp_path, run_dir):
+    """...and cleans up the crash log as the learner's close() would: the temporary directory, or the
+    empty log in a run directory (whose checkpoint stays)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -465,10 +583,12 @@ def test_collector_exits_when_the_learner_is_killed(tmp_path):
     script = tmp_path / "learner.py"
     script.write_text(_ORPHAN_SCRIPT)
     root = Path(__file__).resolve().parents[2]
+    log_dir = tmp_path / "run" if run_dir else None
     # Output goes to a file, not a pipe: an orphan holding the pipe open would block reading it.
     with open(tmp_path / "out.txt", "w") as out:
         learner = subprocess.Popen(
-            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, cwd=root,
+            [sys.executable, str(script), str(log_dir or "-")], stdout=out, stderr=subprocess.STDOUT,
+            cwd=root,
             env={**os.environ, "PYTHONPATH": str(root)},
         )  # fmt: skip
         learner.wait(timeout=90)
@@ -481,7 +601,10 @@ def test_collector_exits_when_the_learner_is_killed(tmp_path):
         os.kill(pid, 9)
         raise
     crash_dir = text.split()[1]
-    assert "simstream-rl-" in crash_dir
-    assert not os.path.exists(crash_dir), (
-        "the orphaned collector left the learner's temporary crash-log directory"
-    )
+    if log_dir is None:
+        assert "simstream-rl-" in crash_dir
+        assert not os.path.exists(crash_dir), "the orphan left the learner's temporary crash-log directory"
+    else:
+        assert crash_dir == str(log_dir)
+        left = os.listdir(log_dir)
+        assert "model_2.pt" in left and "collector_crash.log" not in left, left

@@ -226,6 +226,17 @@ def test_ring_commit_requires_a_claimed_slot():
     assert READY not in ring.states()
 
 
+def test_ring_abandon_frees_only_a_slot_being_written():
+    ring = _ring(slots=2)
+    slot = ring.acquire(should_stop=lambda: True)
+    ring.abandon(slot)  # a rollout cut short: the writer gives its slot back
+    assert ring.states() == [FREE, FREE]
+    _write(ring, 1.0, 0)
+    ready = ring.states().index(READY)
+    ring.abandon(ready)  # committed already (an interrupt after commit): nothing to give back
+    assert ring.states()[ready] == READY and ring.stats().committed == 1
+
+
 def _hold_ring_lock(ring: RolloutRing, taken) -> None:
     """Child process: take the ring's lock, say so, and keep it until killed."""
     ring._lock.acquire(None)
@@ -288,6 +299,10 @@ def test_weight_buffer_publishes_versions_and_rejects_torn_copies():
         buffer.read_into(out, timeout_s=0.05)
     with pytest.raises(ValueError, match="expects 5 values"):
         buffer.publish(torch.zeros(4), 4)
+    # the next whole publish repairs it (increments kept an interrupted publish's odd count for good)
+    buffer.publish(torch.arange(5.0) * 2, 4)
+    assert int(buffer._meta[0]) % 2 == 0
+    assert buffer.read_into(out, timeout_s=0.05) == 4 and out.tolist() == [0, 2, 4, 6, 8]
 
 
 def test_pack_unpack_roundtrip_includes_normaliser():

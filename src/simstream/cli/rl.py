@@ -3,15 +3,20 @@
 Writes TensorBoard logs, checkpoints, ``learning_curve.png`` and ``summary.json`` to ``runs/<name>/``.
 Exit codes: 0 done, 2 a bad option (named in the message; nothing is written), 3 the collector died (its
 report is printed to stderr), 4 training ended but a shared resource could not be released (each error is
-printed and stored in ``summary.json``), 1 any other failure, 130 interrupted.
+printed and stored in ``summary.json``), 1 any other failure, 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM, as a scheduler or ``kill`` sends: handled as a Ctrl-C, so the model is saved and the report
+written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -24,6 +29,7 @@ __all__ = ["EXIT_CLOSE_FAILED", "EXIT_COLLECTOR_DIED", "RLArgs", "main"]
 
 EXIT_COLLECTOR_DIED = 3
 EXIT_CLOSE_FAILED = 4
+EXIT_TERMINATED = 143
 _MODE_FLAGS = {"--sync": "sync", "--serial": "serial"}
 """Short forms of ``--mode sync`` and ``--mode serial``."""
 
@@ -137,8 +143,9 @@ def run(args: RLArgs) -> int:
     print(f"simstream rl: {mode} PPO on {cfg.env_id}, {cfg.num_envs} envs; writing to {run_dir}", flush=True)
     bar = _Bar(args.max_env_frames) if args.progress else None
     code = 0
+    terminated: list[int] = []
     try:
-        with runner:
+        with runner, _sigterm_as_ctrl_c(terminated):
             runner.learn(
                 args.iterations,
                 save_interval=args.save_interval,
@@ -154,9 +161,9 @@ def run(args: RLArgs) -> int:
             f"\nsimstream rl: the collector process died; training stopped.\n{error.report}", file=sys.stderr
         )
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_TERMINATED if terminated else 130
         _close(bar)
-        print("\nsimstream rl: interrupted", file=sys.stderr)
+        print(f"\nsimstream rl: {'terminated (SIGTERM)' if terminated else 'interrupted'}", file=sys.stderr)
     except Exception as error:  # the CLI reports; the library raises
         code = 1
         _close(bar)
@@ -175,6 +182,28 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary, curve=bool(runner.history))
     return code
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c(terminated: list[int]):
+    """Handle SIGTERM as a Ctrl-C while training (noted in ``terminated``): the model is saved and the
+    report written, where SIGTERM's default action lost both. An update holds it back as it holds a Ctrl-C
+    (the Ctrl-C handler in place decides); with Ctrl-C ignored (a background job) it raises at once."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is None:
+        yield  # handlers can be set only there, and one installed outside Python cannot be put back
+        return
+
+    def on_sigterm(number, frame) -> None:
+        terminated.append(number)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _importable(module: str) -> bool:

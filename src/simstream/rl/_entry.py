@@ -43,8 +43,9 @@ def collector_entry(
 ) -> None:
     """Run ``target(stop_event=..., heartbeat=..., **kwargs)`` with crash reporting armed.
 
-    A temporary crash-log directory is the learner's to remove; when the learner is gone (killed, so its
-    ``close()`` never ran) the collector removes it on its way out, as nobody is left to read it.
+    The crash log is the learner's to clean up (a temporary directory is removed, an empty log in a run
+    directory too); when the learner is gone (killed, so its ``close()`` never ran) the collector does
+    it on its way out, as nobody is left to read the log.
     """
     # Ctrl-C reaches the whole process group: the learner decides, and close() stops the collector cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -63,5 +64,8 @@ def collector_entry(
     finally:
         faulthandler.disable()
         crash_log.close()
-        if crash_dir_is_temporary and owner_watch()():
-            shutil.rmtree(os.path.dirname(crash_path), ignore_errors=True)
+        if owner_watch()():  # the learner is gone: clean up as its close() would have
+            if crash_dir_is_temporary:
+                shutil.rmtree(os.path.dirname(crash_path), ignore_errors=True)
+            elif os.path.exists(crash_path) and os.path.getsize(crash_path) == 0:
+                os.remove(crash_path)  # a run directory keeps the log only when something went wrong

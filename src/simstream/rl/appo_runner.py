@@ -23,6 +23,7 @@ import torch
 from .._memory_order import require_ordered_memory
 from .._validation import require_int
 from ..errors import CollectorDiedError
+from ..workers.supervisor import ctrl_c_deferred
 from .collector import (
     TIMING_KEYS,
     CollectorSpec,
@@ -212,8 +213,9 @@ class APPORunner(AsyncRunner):
             status, failure = "collector_died", error.report
             raise
         except KeyboardInterrupt:
-            # Ctrl-C: what was learned so far is saved, as at the end of a run (a resume continues it),
-            # unless it landed inside an update, whose model is half-way between two versions
+            # Ctrl-C: what was learned so far is saved, as at the end of a run (a resume continues it);
+            # an update holds a Ctrl-C back until it is counted (off the main thread, where nothing can
+            # be held back, one cut short is not saved: its model is half-way between two versions)
             status = "interrupted"
             if log_dir is not None and self.iterations_done > 0 and not self._updating:
                 try:
@@ -238,14 +240,22 @@ class APPORunner(AsyncRunner):
         taken, batch, episodes, timing, versions = self._next_batch()
         updated = time.perf_counter()
         lags = (self.policy_version - versions).flatten().tolist()
-        self._updating = True  # until the update is counted: a checkpoint now would mislabel the model
-        metrics = self.learner.update(batch)
+        # A Ctrl-C waits for the update, its publication and its count (tens of milliseconds): landing
+        # inside, it left a model half-way between two versions that no checkpoint could label, and a sync
+        # collector waiting for a version that was never published, so every later learn() timed out.
+        with ctrl_c_deferred():
+            self._updating = True  # until the update is counted: a checkpoint now would mislabel the model
+            try:
+                metrics = self.learner.update(batch)
+            finally:
+                # published even after a failed update: the learner's weights are the current policy
+                # either way, and a sync collector waits for a newer version before its next rollout
+                self.policy_version += 1
+                self.weights.publish(self.learner.snapshot(), self.policy_version)
+            self.iterations_done += 1
+            self._updating = False
         timing["learner/update_s"] = time.perf_counter() - updated
         timing["learner/wait_s"] = updated - waited
-        self.policy_version += 1
-        self.weights.publish(self.learner.snapshot(), self.policy_version)
-        self.iterations_done += 1
-        self._updating = False
         self.trained_frames += batch["rewards"].numel()
         for ret, length in episodes:
             self._returns.append(ret)
@@ -280,22 +290,26 @@ class APPORunner(AsyncRunner):
         cfg, ring = self.config, self.ring
         if self._serial is not None:
             self._serial.pull_weights(lambda: False, -1)
-            self._serial.collect(lambda: False)
+            self._serial.collect(self._no_free_slot_within(self.runner_config.data_timeout_s))
         max_count = cfg.num_slots if cfg.mode == "async" else 1
         min_version = None if cfg.max_policy_lag is None else self.policy_version - cfg.max_policy_lag
 
+        held: list[TakenSlot] = []
+
         def poll(slice_s: float) -> list[TakenSlot] | None:
-            taken = ring.take(max_count, min_version)
-            if taken:
-                return taken
+            with ctrl_c_deferred():  # a Ctrl-C between taking slots and noting them would keep them
+                held.extend(ring.take(max_count, min_version))
+            if held:
+                return held
             ring.wait_filled(slice_s)
             return None
 
-        taken = self._wait_until(poll, self.runner_config.data_timeout_s, "rollout")
         try:
+            taken = self._wait_until(poll, self.runner_config.data_timeout_s, "rollout")
             data = ring.gather(taken)
         finally:
-            ring.free(taken)
+            if held:
+                ring.free(held)
         batch = {key: _env_major(data[key]) for key in ("obs", "actions", "logp", "rewards", "dones")}
         batch["last_obs"] = data["last_obs"].flatten(0, 1)
         episodes = []
@@ -305,6 +319,21 @@ class APPORunner(AsyncRunner):
             )
         timing = dict(zip(TIMING_KEYS, data["timing_s"].mean(0).tolist()))
         return taken, batch, episodes, timing, data["versions"]
+
+    def _no_free_slot_within(self, timeout_s: float) -> Callable[[], bool]:
+        """The serial collector's stop check: never stop, but raise past ``timeout_s`` (a rollout that
+        cannot get a slot would otherwise wait forever: nothing else in this process frees one)."""
+        deadline = time.monotonic() + timeout_s
+
+        def check() -> bool:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"APPORunner: no rollout within {timeout_s} s in serial mode "
+                    f"(ring slot states {self.ring.states()}; 0 free, 1 writing, 2 ready, 3 reading)"
+                )
+            return False
+
+        return check
 
     def _should_stop(
         self, row: dict, max_env_frames: int | None, target_return: float | None, max_wall_s: float | None
@@ -370,6 +399,7 @@ class APPORunner(AsyncRunner):
             ValueError: ``path`` is not a checkpoint of this runner, or was trained with other dimensions,
                 network sizes or observation normalisation (naming the difference).
         """
+        self._raise_if_closed()
         try:
             state = torch.load(path, map_location=self.device, weights_only=True)
         except OSError as error:  # a checkpoint that cannot be read (permissions, I/O): say why

@@ -160,6 +160,17 @@ class RolloutCollector:
         slot = self.ring.acquire(should_stop=should_stop, on_wait=self.beat)
         if slot is None:
             return False
+        committed = False
+        try:
+            committed = self._fill(slot, should_stop, began)
+        finally:
+            if not committed:
+                # stopped, failed or interrupted (a serial runner's Ctrl-C lands here): the slot goes
+                # back, or every cut rollout would keep one until none is left and learn() waits forever
+                self.ring.abandon(slot)
+        return committed
+
+    def _fill(self, slot: int, should_stop: Callable[[], bool], began: float) -> bool:
         started = time.perf_counter()
         view = {name: tensor[slot] for name, tensor in self.ring.data.items()}
         episodes = 0

@@ -3,7 +3,8 @@
 Every slot has a state, a sequence number and the policy version that produced it::
 
     FREE --writer claims--> WRITING --commit(seq, version)--> READY --reader takes--> READING --free--> FREE
-                                ^                               |
+      ^                         ^  |                            |
+      +------- abandon ---------|--+                            |   (a rollout cut short)
                                 +--- drop_oldest overflow ------+   (counted; READING is never taken back)
 
 State changes happen under one :class:`~simstream._sync.SharedLock`, which the kernel releases when its
@@ -158,6 +159,14 @@ class RolloutRing:
             self._counters[_COMMITTED] += 1
         self._filled.release()
         return seq
+
+    def abandon(self, slot: int) -> None:
+        """Give back a slot claimed by :meth:`acquire` and not committed (the rollout was cut short)."""
+        with self._locked():
+            if int(self._meta[slot, _STATE]) != WRITING:
+                return
+            self._meta[slot, _STATE] = FREE
+        self._freed.release()
 
     # ----------------------------------------------------------------- reader (learner)
     def take(self, max_count: int, min_version: int | None = None) -> list[TakenSlot]:

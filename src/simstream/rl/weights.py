@@ -46,10 +46,14 @@ class WeightBuffer:
         """Write ``vector`` as ``version`` (learner side; only one process may publish)."""
         if vector.numel() != self.size:
             raise ValueError(f"WeightBuffer.publish expects {self.size} values, got {vector.numel()}")
-        self._meta[_SEQ] += 1
+        # absolute values, not increments: a publish interrupted mid-write left the count odd, and
+        # increments would keep it odd ("being written") for good
+        stable = int(self._meta[_SEQ])
+        stable += stable & 1
+        self._meta[_SEQ] = stable + 1
         self._flat.copy_(vector.detach().reshape(-1))
         self._meta[_VERSION] = version
-        self._meta[_SEQ] += 1
+        self._meta[_SEQ] = stable + 2
 
     def read_into(
         self, out: torch.Tensor, *, timeout_s: float = 5.0, on_retry: Callable[[], None] | None = None

@@ -37,6 +37,7 @@ __all__ = [
     "WorkerSpec",
     "WorkerSupervisor",
     "bootstrap_note",
+    "ctrl_c_deferred",
     "owner_watch",
     "preparing_worker_process",
     "refuse_in_preparing_child",
@@ -266,7 +267,7 @@ class WorkerSupervisor:
                 name=spec.label,
                 daemon=self._daemon,
             )
-            with _ctrl_c_deferred():  # a child started but not registered would be left to itself
+            with ctrl_c_deferred():  # a child started but not registered would be left to itself
                 process.start()  # registered only once started: shutdown() joins what it holds
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
@@ -439,8 +440,9 @@ def sigint_handled(handler) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _ctrl_c_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C back until the block is done, then deliver it to the handler in place."""
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block is done, then deliver it to the handler in place (main thread;
+    elsewhere the block runs as it is, since no Ctrl-C lands in another thread)."""
     held: list[int] = []
     try:
         with sigint_handled(lambda number, frame: held.append(number)):
