@@ -42,6 +42,8 @@ EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.par
 EXTRA_KEYS = ("subtask_index", "segment_id")
 """simstream's per-frame columns: the subtask text (``meta/subtasks.parquet``) and the segment position."""
 QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
+QUANTILE_BINS = 5000
+"""Bins of LeRobot's quantile estimate (``RunningQuantileStats``, ``lerobot/datasets/compute_stats.py``)."""
 VIDEO_GOP = 2
 VIDEO_CODECS: dict[str, dict[str, Any]] = {
     # LeRobot's own default: smallest files, ~27 ms of CPU per 70-frame 64x64 episode (2 vCPU machine)
@@ -264,7 +266,10 @@ def columns_stats(columns: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndar
     flats = [np.asarray(v).reshape(length, -1) for v in columns.values()]
     flat = np.concatenate(flats, axis=1, dtype=np.float64)
     reduced = {"min": flat.min(0), "max": flat.max(0), "mean": flat.mean(0), "std": flat.std(0)}
-    quantiles = np.quantile(flat, QUANTILES, axis=0)
+    if length < 2:  # LeRobot's rule for a single frame: every quantile is the mean
+        quantiles = np.broadcast_to(reduced["mean"], (len(QUANTILES), flat.shape[1]))
+    else:
+        quantiles = histogram_quantiles(np.sort(flat, axis=0))
     for q, row in zip(QUANTILES, quantiles):
         reduced[f"q{round(q * 100):02d}"] = row
     count = np.array([length], dtype=np.int64)
@@ -277,12 +282,67 @@ def columns_stats(columns: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndar
     return out
 
 
+def histogram_quantiles(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """LeRobot's quantile estimate of each column of ``values`` (sorted ascending along axis 0):
+    ``[len(QUANTILES), columns]``.
+
+    LeRobot 0.6.1 counts a column into ``QUANTILE_BINS`` equal bins from ``min - 1e-10`` to ``max + 1e-10``
+    and takes the ``q``-quantile inside the bin where the cumulative count reaches ``q * count``,
+    interpolating linearly by count within that bin (the bin's lower edge for the first bin). That is
+    the inverse of the empirical distribution, not ``np.quantile``'s interpolation between order
+    statistics: on a sparse 0/1 column the two differ by most of the range (``q99`` 1.0 against 0.24),
+    and policies that normalise by quantiles must see LeRobot's. The bins are never built: each value's
+    bin is computed, so this costs a few passes over ``values``.
+
+    Args:
+        values: ``[m, columns]``, each column sorted ascending, at least two counted values per column.
+        weights: How many times each value counts (``None``: once each); a column's counted values
+            define its range.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if weights is None:
+        low, high = values[0] - 1e-10, values[-1] + 1e-10
+    else:
+        counted = weights > 0
+        low = np.where(counted, values, np.inf).min(0) - 1e-10
+        high = np.where(counted, values, -np.inf).max(0) + 1e-10
+    step = (high - low) / QUANTILE_BINS
+
+    def edge(k: np.ndarray) -> np.ndarray:  # as np.linspace(low, high, QUANTILE_BINS + 1)[k]
+        return np.where(k >= QUANTILE_BINS, high, k * step + low)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bins = np.floor((values - low) / step)
+    bins = np.clip(np.nan_to_num(bins, nan=QUANTILE_BINS - 1), 0, QUANTILE_BINS - 1).astype(np.int64)
+    # np.histogram's bin is the one whose edges hold the value (the last bin includes its upper edge)
+    bins -= values < edge(bins)
+    bins += (bins + 1 < QUANTILE_BINS) & (values >= edge(bins + 1))
+    quantiles = np.asarray(QUANTILES)[:, None]
+    columns = np.arange(values.shape[1])
+    if weights is None:  # every value counts once: the crossing is the ceil(q * n)-th value
+        target = quantiles * len(values)
+        crossing = np.broadcast_to(np.ceil(target).astype(np.int64) - 1, (len(QUANTILES), len(columns)))
+        k = bins[crossing, columns]
+        before = (bins[None] < k[:, None]).sum(1)
+        inside = (bins[None] == k[:, None]).sum(1)
+    else:
+        cumulative = np.cumsum(weights, axis=0)
+        target = quantiles * cumulative[-1]
+        crossing = np.minimum((cumulative[None] < target[:, None]).sum(1), len(values) - 1)
+        k = bins[crossing, columns]
+        before = (weights[None] * (bins[None] < k[:, None])).sum(1)
+        inside = (weights[None] * (bins[None] == k[:, None])).sum(1)
+    out = np.where(k == 0, low, edge(k) + (target - before) / inside * (edge(k + 1) - edge(k)))
+    # all values equal and the 1e-10 margins lost to rounding (huge magnitudes): no width to share
+    return np.where(step > 0, out, low)
+
+
 def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
     """Per-channel stats of uint8 ``[n, 3, H, W]`` frames over a sample of their pixels, in ``[0, 1]``.
 
     The sample is every ``n // 32``-th frame at half resolution. Computed from one 256-bin histogram per
-    channel, which gives the exact order statistics of the sample (so the same quantiles as
-    ``np.quantile``'s linear interpolation) in a counting pass instead of a sort.
+    channel: exact reductions, and LeRobot's quantile estimate (:func:`histogram_quantiles`) with each
+    level weighted by its count, in a counting pass instead of a sort.
     """
     step = max(1, len(frames) // 32)
     sample = np.ascontiguousarray(frames[::step, :, ::2, ::2]).transpose(1, 0, 2, 3).reshape(3, -1)
@@ -293,7 +353,6 @@ def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
     mean = counts @ levels / size
     variance = np.maximum(counts @ (levels**2) / size - mean**2, 0.0)
     present = counts > 0
-    cumulative = np.cumsum(counts, axis=1)
     shape = (3, 1, 1)
     stats = {
         "min": present.argmax(1).astype(np.float64),
@@ -301,14 +360,12 @@ def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
         "mean": mean,
         "std": np.sqrt(variance),
     }
-    positions = (size - 1) * np.asarray(QUANTILES)
-    below = np.floor(positions)
-    targets = np.concatenate([below, np.minimum(below + 1, size - 1)])
-    # the k-th smallest value is the first level whose cumulative count exceeds k
-    levels_at = np.stack([np.searchsorted(c, targets, side="right") for c in cumulative]).astype(np.float64)
-    low, high = levels_at[:, : len(QUANTILES)], levels_at[:, len(QUANTILES) :]
+    if size < 2:  # LeRobot's rule for a single value: every quantile is the mean
+        quantiles = np.broadcast_to(mean, (len(QUANTILES), 3))
+    else:
+        quantiles = histogram_quantiles(np.broadcast_to(levels[:, None], (256, 3)), counts.T)
     for k, q in enumerate(QUANTILES):
-        stats[f"q{round(q * 100):02d}"] = low[:, k] + (positions[k] - below[k]) * (high[:, k] - low[:, k])
+        stats[f"q{round(q * 100):02d}"] = quantiles[k]
     stats = {name: (value / 255.0).reshape(shape) for name, value in stats.items()}
     stats["count"] = np.array([len(frames)], dtype=np.int64)
     return stats
