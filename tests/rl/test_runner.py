@@ -149,6 +149,13 @@ def test_checkpoint_and_resume_restore_every_part(tmp_path):
                 assert torch.equal(resumed.learner.state_dict()[key][name], tensor), (key, name)
         assert torch.equal(resumed.learner.normalizer.mean, state["normalizer"]["mean"])
         assert resumed.learner.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
+        # the minibatch order continues where it stopped; the collector's envs and noise do not restart
+        assert torch.equal(resumed.learner._shuffle.get_state(), state["shuffle"])
+        with (
+            APPORunner(_tiny(mode="serial")) as fresh,
+            APPORunner(_tiny(mode="serial"), resume=path) as again,
+        ):
+            assert fresh._spec().seed == resumed.config.seed != resumed._spec().seed == again._spec().seed
         before = resumed.env_frames
         summary = resumed.learn(1, log_dir=None)
         assert resumed.policy_version == 4

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
 from .._memory_order import require_ordered_memory
@@ -107,11 +108,19 @@ class APPORunner(AsyncRunner):
     def _build_learner(self) -> APPOLearner:
         return APPOLearner(self.config, self.obs_dim, self.act_dim, self.device)
 
+    def _collector_seed(self) -> int:
+        """``config.seed`` for a new run; a resumed one gets a seed of its own, derived from both, or it
+        would replay the first run's starting states and action noise."""
+        if self.iterations_done == 0:
+            return self.config.seed
+        return int(np.random.SeedSequence([self.config.seed, self.iterations_done]).generate_state(1)[0])
+
     def _spec(self) -> CollectorSpec:
         cfg = self.config
         return CollectorSpec(
-            env_id=cfg.env_id, num_envs=cfg.num_envs, steps=cfg.steps_per_rollout, seed=cfg.seed,
-            obs_dim=self.obs_dim, act_dim=self.act_dim, hidden_sizes=tuple(cfg.hidden_sizes),
+            env_id=cfg.env_id, num_envs=cfg.num_envs, steps=cfg.steps_per_rollout,
+            seed=self._collector_seed(), obs_dim=self.obs_dim, act_dim=self.act_dim,
+            hidden_sizes=tuple(cfg.hidden_sizes),
             init_log_std=cfg.init_log_std, gamma=cfg.gamma, reward_scale=cfg.reward_scale,
             normalize_obs=cfg.normalize_obs, sync=cfg.mode == "sync",
             refresh_each_step=cfg.weight_refresh == "step",

@@ -162,6 +162,7 @@ class APPOLearner:
             "normalizer": self.normalizer.state_dict(),
             "learning_rate": self.learning_rate,
             "updates": self.updates,
+            "shuffle": self._shuffle.get_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -171,5 +172,7 @@ class APPOLearner:
         self.normalizer.load_state_dict(state["normalizer"])
         self.learning_rate = float(state["learning_rate"])
         self.updates = int(state["updates"])
+        if "shuffle" in state:  # checkpoints before it was saved resume with the seed's sequence
+            self._shuffle.set_state(state["shuffle"])
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate
