@@ -436,6 +436,49 @@ def test_learner_nan_guard_rejects_a_poisoned_batch():
     assert learner.updates == 1  # nothing changed
 
 
+def test_the_target_network_keeps_the_observation_statistics_it_was_trained_under(monkeypatch):
+    """With target_update_interval > 1 the target is an older policy: its log-probabilities come from
+    the statistics of its own time (they were taken under the current ones, a policy that never acted)."""
+    cfg = APPOConfig(
+        num_envs=2, steps_per_rollout=4, minibatch_size=8, hidden_sizes=(8,), target_update_interval=3
+    )
+    learner = APPOLearner(cfg, 3, 1, "cpu")
+    generator = torch.Generator().manual_seed(0)
+
+    def batch() -> dict[str, torch.Tensor]:
+        return {
+            "obs": torch.randn(4, 2, 3, generator=generator) * 5 + 2, "actions": torch.randn(4, 2, 1),
+            "logp": torch.zeros(4, 2), "rewards": torch.zeros(4, 2), "dones": torch.zeros(4, 2),
+            "last_obs": torch.randn(2, 3),
+        }  # fmt: skip
+
+    import simstream.rl.learner as learner_module
+
+    seen = []
+    monkeypatch.setattr(
+        learner_module, "vtrace", lambda *args, **kw: seen.append(args[1]) or vtrace(*args, **kw)
+    )
+    initial = learner.normalizer.state_dict()
+    learner.update(batch())
+    second = batch()
+    learner.update(second)
+    assert not torch.equal(learner.normalizer.mean, initial["mean"])
+    # the second update's target log-probabilities: the target (the initial policy) under the initial stats
+    start = APPOLearner(cfg, 3, 1, "cpu")
+    expected = start.model.distribution(start.normalizer.normalize(second["obs"])).log_prob(second["actions"])
+    torch.testing.assert_close(seen[1], expected.sum(-1))
+    assert torch.equal(learner.target_normalizer.mean, initial["mean"])  # the target is still the start
+    obs = torch.randn(5, 3, generator=generator) * 5 + 2
+    target_logp = learner.target.distribution(learner.target_normalizer.normalize(obs)).mean
+    fresh = APPOLearner(cfg, 3, 1, "cpu")  # the same seed: the policy the target copies
+    assert torch.equal(target_logp, fresh.model.distribution(fresh.normalizer.normalize(obs)).mean)
+    learner.update(batch())  # the third update copies the policy and its statistics
+    assert torch.equal(learner.target_normalizer.mean, learner.normalizer.mean)
+    restored = APPOLearner(cfg, 3, 1, "cpu")
+    restored.load_state_dict(learner.state_dict())
+    assert torch.equal(restored.target_normalizer.var, learner.target_normalizer.var)
+
+
 @pytest.mark.parametrize(
     ("start", "kl", "expected"),
     [

@@ -41,6 +41,8 @@ class APPOLearner:
         self.target = copy.deepcopy(self.model).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.learning_rate, eps=1e-5)
         self.normalizer = ObsNormalizer(obs_dim, cfg.normalize_obs)
+        self.target_normalizer = copy.deepcopy(self.normalizer)
+        """The statistics the target network was trained under (it is a copy of an older policy)."""
         self.learning_rate = cfg.learning_rate
         self.updates = 0
         self._shuffle = torch.Generator().manual_seed(cfg.seed + 1)
@@ -63,7 +65,11 @@ class APPOLearner:
         actions, behaviour_logp = batch["actions"].to(dev), batch["logp"].to(dev)
         with torch.no_grad():
             values = self.model.value(obs)
-            target_dist = self.target.distribution(obs)
+            # with target_update_interval > 1 the target is an older policy, trained under older statistics
+            target_obs = obs if self.cfg.target_update_interval == 1 else self.target_normalizer.normalize(
+                batch["obs"]
+            ).to(dev)
+            target_dist = self.target.distribution(target_obs)
             target_logp = target_dist.log_prob(actions).sum(-1)
             targets = vtrace(
                 behaviour_logp,
@@ -101,6 +107,7 @@ class APPOLearner:
         self.updates += 1
         if self.updates % cfg.target_update_interval == 0:
             self.target.load_state_dict(self.model.state_dict())
+            self.target_normalizer.load_state_dict(self.normalizer.state_dict())
         metrics = {key: value / steps for key, value in sums.items()}
         metrics["vtrace/rho_clip_fraction"] = float(targets.rho_clip_fraction)
         metrics["vtrace/rho_p99"] = float(targets.rho_p99)
@@ -160,6 +167,7 @@ class APPOLearner:
             "target": self.target.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "normalizer": self.normalizer.state_dict(),
+            "target_normalizer": self.target_normalizer.state_dict(),
             "learning_rate": self.learning_rate,
             "updates": self.updates,
             "shuffle": self._shuffle.get_state(),
@@ -170,6 +178,7 @@ class APPOLearner:
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.normalizer.load_state_dict(state["normalizer"])
+        self.target_normalizer.load_state_dict(state.get("target_normalizer", state["normalizer"]))
         self.learning_rate = float(state["learning_rate"])
         self.updates = int(state["updates"])
         if "shuffle" in state:  # checkpoints before it was saved resume with the seed's sequence
