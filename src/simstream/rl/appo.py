@@ -63,7 +63,9 @@ def vtrace(
     With ``rho_t = min(rho_bar, pi/mu)``, ``c_t = lam * min(c_bar, pi/mu)``,
     ``delta_t = rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t))``:
     ``v_t - V(x_t) = delta_t + gamma_t c_t (v_{t+1} - V(x_{t+1}))``. ``discounts`` is ``gamma * (1 - done)``
-    so nothing flows across an episode end. On-policy (``pi == mu``) this is GAE(lam).
+    so nothing flows across an episode end. On-policy (``pi == mu``) ``v_t - V(x_t)`` is GAE(lam); the
+    policy advantage ``rho_t (r_t + gamma_t v_{t+1} - V(x_t))`` is IMPALA's, not GAE(lam) (its next-step
+    correction is not decayed by ``lam``).
 
     The backward recursion runs on the tensors' device (``T`` small kernels, no host synchronisation).
     """
