@@ -222,3 +222,38 @@ def test_building_the_storage_takes_its_size_in_memory_not_twice_that():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout) < 1.3  # about 1.0 (the buffer's own pages); 2.0 with the private copy
+
+
+@needs_shm
+def test_a_failed_engine_dropped_without_stop_is_collected_before_a_refusal(monkeypatch):
+    """Its exception's traceback holds it in a cycle, with its segments, until the cyclic collector runs:
+    a new engine that fits only once they are gone is built, not refused (a retry after a failed start)."""
+    import gc
+    import os
+
+    from simstream.engine import sizing
+    from tests.support.engines import make_cfg
+
+    before = set(os.listdir(SHM_PATH))
+    gc.disable()  # as between two full collections of a busy process
+    try:
+        failed = OnlineDataEngine(make_cfg(spec=ScriptedSpec(fault="build_raise"), num_workers=1))
+        segments = set(os.listdir(SHM_PATH)) - before
+        assert segments
+        with pytest.raises(ValueError):
+            failed.start()
+        del failed
+        assert segments <= set(os.listdir(SHM_PATH))  # held by the cycle
+        cfg = make_cfg(num_workers=1)
+        needed = sum(region.nbytes for region in shared_regions(cfg, cfg.validate()))
+        # /dev/shm as full as it would be: the new engine fits only once the old segments are freed
+        monkeypatch.setattr(
+            sizing,
+            "free_shared_bytes",
+            lambda path=SHM_PATH: needed - 1 if segments & set(os.listdir(path)) else needed,
+        )
+        engine = OnlineDataEngine(cfg)
+        assert not segments & set(os.listdir(SHM_PATH))
+        del engine
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ the way. :func:`check_context_lengths` bounds the per-call size fields of ``samp
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from dataclasses import dataclass, replace
@@ -140,8 +141,16 @@ def check_shared_memory(cfg: OnlineDataEngineCfg, layout: SourceLayout, path: st
             bytes free.
     """
     free = free_shared_bytes(path)
-    if free is not None:
-        require_fits(shared_regions(cfg, layout), free, path)
+    if free is None:
+        return
+    regions = shared_regions(cfg, layout)
+    if sum(region.nbytes for region in regions) > free:
+        # An engine that failed and was dropped without stop() (a retry in a notebook) is held by a
+        # reference cycle, its exception's traceback, until the cyclic collector runs, and its segments
+        # with it: collect once before refusing.
+        gc.collect()
+        free = free_shared_bytes(path) or 0
+    require_fits(regions, free, path)
 
 
 def require_fits(regions: list[SharedRegion], free_bytes: int, path: str = SHM_PATH) -> None:
