@@ -4,24 +4,38 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from simstream.engine.forkserver_preload import listener_directory, remove_if_orphaned
+from simstream.engine.forkserver_preload import remove_if_orphaned
+
+_LISTENER_SCRIPT = """
+import socket, sys
+from simstream.engine.forkserver_preload import listener_directory
+
+print(listener_directory())
+with socket.socket(socket.AF_UNIX) as listener:
+    listener.bind(sys.argv[1])
+    listener.listen()
+    print(listener_directory())
+"""
 
 
 def test_the_listener_directory_is_the_pymp_directory_of_a_listening_unix_socket(tmp_path):
-    assert listener_directory() is None  # this process listens on no pymp-* socket
+    """In a fresh interpreter, as the forkserver is (this one may hold multiprocessing listeners of its
+    own, e.g. the resource sharer's)."""
     directory = tmp_path / "pymp-test"
     directory.mkdir()
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(str(directory / "listener-1"))
-        listener.listen()
-        assert listener_directory() == str(directory)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _LISTENER_SCRIPT, str(directory / "listener-1")], capture_output=True,
+        text=True, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["None", str(directory)]
 
 
 def test_a_directory_is_removed_only_once_its_owner_is_no_longer_the_parent(tmp_path):

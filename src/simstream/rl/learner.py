@@ -66,9 +66,11 @@ class APPOLearner:
         with torch.no_grad():
             values = self.model.value(obs)
             # with target_update_interval > 1 the target is an older policy, trained under older statistics
-            target_obs = obs if self.cfg.target_update_interval == 1 else self.target_normalizer.normalize(
-                batch["obs"]
-            ).to(dev)
+            target_obs = (
+                obs
+                if self.cfg.target_update_interval == 1
+                else self.target_normalizer.normalize(batch["obs"]).to(dev)
+            )
             target_dist = self.target.distribution(target_obs)
             target_logp = target_dist.log_prob(actions).sum(-1)
             targets = vtrace(
