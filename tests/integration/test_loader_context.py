@@ -240,6 +240,23 @@ def test_large_and_small_messages_keep_their_order():
     direct.close()
 
 
+def test_small_messages_that_no_longer_fit_the_pipe_go_through_the_feeder():
+    """Many workers with deep prefetching can fill the result pipe while the trainer is busy: a direct
+    write would block holding the write lock, and the worker would miss the shutdown (5 s per stop)."""
+    direct = loader_context("fork").Queue()
+    small = "x" * 3000  # a direct write's size
+    sent = 0
+    while direct._feeder is None:  # fill the pipe by direct writes until one does not fit
+        direct.put(small)
+        sent += 1
+        assert sent < 1000, "the pipe never filled"
+    assert _feeder_threads() == ["DirectQueue-feeder"] and sent >= 5
+    received = [direct.get(timeout=30) for _ in range(sent)]  # reading drains the feeder's backlog too
+    assert received == [small] * sent
+    direct.close()
+    direct._feeder.join(5)  # it leaves within a slice of the close
+
+
 class _BigResult:
     """A transform whose result travels by value (1 MiB of NumPy), larger than the result pipe."""
 
@@ -354,3 +371,67 @@ def test_loader_num_workers_range(workers):
         loader = dataset.loader(num_workers=workers)
         assert loader.num_workers == workers and loader.batch_size is None
         assert (loader.multiprocessing_context is None) == (workers == 0)
+
+
+def test_releasing_exited_workers_never_waits_for_a_lock_its_own_thread_holds():
+    """The cyclic collector can finalise an earlier iterator (left in a cycle by a worker's exception)
+    inside an arrival, which holds the registry's lock: the release waited for it forever (the trainer
+    hung). It now leaves the pruning to the next arrival."""
+    from types import SimpleNamespace
+
+    from simstream.data import worker_slots as slots_module
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    with slots_module._RECEIVED_LOCK:
+        slots_module.release_exited_workers()  # returns at once
+        assert slots_module._prune_wanted
+        stale = SimpleNamespace(pid=dead_pid, release_unused=lambda idle: None)
+        slots_module._RECEIVED[(dead_pid, "stale")] = stale
+    with _refilling_engine() as engine:
+        loader = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=1).loader(num_workers=1, timeout=60)
+        iterator = iter(loader)
+        next(iterator)  # an arrival: it prunes the exited worker's pool
+        assert not slots_module._prune_wanted and (dead_pid, "stale") not in slots_module._RECEIVED
+        del iterator
+
+
+def test_persistent_workers_draw_fresh_windows_every_epoch():
+    """Without a seed, a persistent worker seeded each epoch from torch.initial_seed(), which never
+    changes in its process: every epoch repeated the first one's draws exactly."""
+    with OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6)) as engine:  # no refills
+        loader = OnlineDataset(engine, chunk_size=4, batch_size=8).loader(
+            num_workers=1, persistent_workers=True, timeout=60
+        )
+        firsts = [next(iter(loader))["obs"].clone() for _ in range(3)]
+        del loader
+    assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+
+
+_user_init_ran: list[int] = []
+
+
+def _user_init(worker_id: int) -> None:
+    _user_init_ran.append(worker_id)
+
+
+class _WhatTheWorkerSees:
+    """A transform reporting the worker's frozen object count and whether the user's init ran."""
+
+    def __call__(self, batch):
+        import gc
+
+        return torch.tensor([gc.get_freeze_count(), len(_user_init_ran)])
+
+
+def test_workers_freeze_what_they_inherited_and_still_run_the_users_init():
+    """A forked worker collecting the trainer's inherited garbage (an earlier iterator) ran its __del__,
+    which shut down queues that were not the worker's own and stalled the DataLoader."""
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=2, transform=_WhatTheWorkerSees())
+        loader = dataset.loader(num_workers=1, multiprocessing_context="fork", worker_init_fn=_user_init)
+        frozen, ran = next(iter(loader)).tolist()
+    assert frozen > 1000 and ran == 1
+    assert _user_init_ran == []  # it ran in the worker

@@ -14,6 +14,8 @@ new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineD
 
 from __future__ import annotations
 
+import gc
+import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
@@ -30,6 +32,22 @@ from .loader_context import loader_context
 from .worker_slots import release_exited_workers, worker_batch, worker_slots
 
 __all__ = ["OnlineDataset"]
+
+_frozen_in: int | None = None
+"""The worker process whose inherited objects :func:`_freeze_inherited_objects` froze."""
+
+
+def _freeze_inherited_objects() -> None:
+    """In a ``DataLoader`` worker, once: move what the process inherited out of the garbage collector's
+    reach. A forked worker inherits the trainer's uncollected garbage, typically an earlier iterator left in
+    a reference cycle by a worker's exception; collected here, its ``__del__`` shuts down workers and
+    queues that are not this process's, and a worker that did so stalled its ``DataLoader`` (30-s
+    timeouts in a loop that caught a transform's exception and iterated again). Garbage the worker makes
+    itself is collected as usual."""
+    global _frozen_in
+    if _frozen_in != os.getpid():
+        _frozen_in = os.getpid()
+        gc.freeze()
 
 
 class OnlineDataset(IterableDataset):
@@ -114,12 +132,10 @@ class OnlineDataset(IterableDataset):
     def _generator(self) -> torch.Generator:
         info = get_worker_info()
         worker = info.id if info is not None else 0
-        if self.seed is not None:
-            base = self.seed
-        elif info is not None:
-            base = torch.initial_seed()  # DataLoader's seed for this worker of this iterator
-        else:  # initial_seed() never changes in one process: every epoch would replay the same draws
-            base = int(torch.randint(2**62, (), dtype=torch.int64))
+        # without a seed, the process's global generator, which DataLoader seeds per iterator and worker:
+        # not initial_seed(), which never changes in one process, so a persistent worker (or the trainer
+        # itself, without workers) replayed the same draws every epoch
+        base = self.seed if self.seed is not None else int(torch.randint(2**62, (), dtype=torch.int64))
         if isinstance(self.chunk_size, ChunkSizeSampler) and (self.seed is not None or info is not None):
             self.chunk_size.seed(base + worker)
         return torch.Generator().manual_seed((base + worker) % 2**63)
@@ -129,6 +145,7 @@ class OnlineDataset(IterableDataset):
         # in a DataLoader worker, batches leave this process: write them where they are going
         in_worker = get_worker_info() is not None
         if in_worker:
+            _freeze_inherited_objects()
             worker_slots(self.worker_slots)
         if self.batch_size is None:
             chunk = self._draw_chunk_size()
@@ -196,6 +213,8 @@ class OnlineDataset(IterableDataset):
             "collate_fn", self.collate_fn if item_mode else self.passthrough_collate_fn
         )
         if num_workers > 0:
+            # the earliest point in a worker: before DataLoader's own start-up can trigger a collection
+            dataloader_kwargs["worker_init_fn"] = _WorkerInit(dataloader_kwargs.get("worker_init_fn"))
             context = dataloader_kwargs.get("multiprocessing_context")
             if context is None or isinstance(context, str):
                 dataloader_kwargs["multiprocessing_context"] = loader_context(context)
@@ -253,6 +272,19 @@ def _check_chunk_sizes(chunk_size: int | ChunkSizeSampler, sampling_mode: str, s
             f"sampling_mode='boundary' needs chunks of at least 2 frames (one each side of a segment "
             f"boundary); chunk_size {chunk_size!r} can be {low or 1}: give it low >= 2."
         )
+
+
+class _WorkerInit:
+    """The ``worker_init_fn`` of :meth:`OnlineDataset.loader`: freezes the worker's inherited objects
+    (:func:`_freeze_inherited_objects`), then runs the caller's own ``worker_init_fn``, if any."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        _freeze_inherited_objects()
+        if self.user is not None:
+            self.user(worker_id)
 
 
 class _OnlineDataLoader(DataLoader):

@@ -9,9 +9,10 @@ and two workers share two cores, those wake-ups cost about a tenth of the CPU a 
 
 The queues of :func:`loader_context` pickle and write in the calling thread instead, over the same pipe
 and the same two locks as ``multiprocessing.Queue``, whenever that cannot block: the message is small
-(the ``DataLoader`` protocol keeps few of them in flight, so they never fill the pipe) and the write lock
-is free. Anything else (a large result sent by value, a lock held by a writer stuck on a full pipe) goes,
-in order, through a feeder thread started on first need, as in ``multiprocessing.Queue``. So a put never
+and fits the pipe now (the ``DataLoader`` protocol keeps few of them in flight, but many workers with deep
+prefetching can fill it), and the write lock is free. Anything else (a large result sent by value, a
+lock held by a writer stuck on a full pipe) goes, in order, through a feeder thread started on first need,
+as in ``multiprocessing.Queue``. So a put never
 blocks its caller: a worker with a large result still sees the trainer's shutdown, and the trainer's own
 wake-up message at shutdown cannot wait behind a worker that nobody reads any more.
 """
@@ -19,11 +20,14 @@ wake-up message at shutdown cannot wait behind a worker that nobody reads any mo
 from __future__ import annotations
 
 import collections
+import fcntl
 import math
+import mmap
 import multiprocessing
 import os
 import select
 import struct
+import termios
 import threading
 import time
 from multiprocessing import connection
@@ -38,6 +42,8 @@ _DIRECT_MAX_BYTES = 4096
 bounds that by ``prefetch_factor``) they cannot fill a 64 KiB pipe; a batch reference is ~0.3 KiB."""
 _INT32, _UINT64 = struct.Struct("!i"), struct.Struct("!Q")
 """``multiprocessing.connection``'s message header: a signed 32-bit size, or -1 and a 64-bit size."""
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+"""``fcntl`` command for a pipe's capacity (Linux)."""
 _FEEDER_SLICE_S = 0.1
 """Longest wait of the feeder thread before it looks whether its queue was closed."""
 
@@ -87,6 +93,11 @@ class DirectQueue:
             direct = (
                 not self._backlog and len(payload) <= _DIRECT_MAX_BYTES and self._write_lock.acquire(False)
             )
+            if direct and not self._pipe_has_room(len(payload) + _INT32.size):
+                # many workers with deep prefetching can fill the pipe while the trainer is busy: a
+                # direct write would then block, holding the write lock and missing the shutdown
+                self._write_lock.release()
+                direct = False
             if not direct:
                 self._backlog.append(payload)
                 if self._feeder is None:
@@ -98,6 +109,23 @@ class DirectQueue:
             self._writer.send_bytes(payload)
         finally:
             self._write_lock.release()
+
+    def _pipe_has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes surely fit the pipe now (call holding the write lock: then only
+        readers change its level, downwards). True where the pipe cannot be asked (not Linux).
+
+        Linux keeps a pipe's bytes in pages and starts a new page for a write that does not fit the
+        last one's rest, so a full pipe may hold little more than half its capacity (of two neighbouring
+        pages, the first was closed by a write the second begins with: together they hold more than a
+        page). Hence the factor 2 and a page of margin.
+        """
+        fd = self._writer.fileno()
+        try:
+            capacity = fcntl.fcntl(fd, _F_GETPIPE_SZ)
+            unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, AttributeError):
+            return True
+        return 2 * (unread + size) + 2 * mmap.PAGESIZE <= capacity
 
     def _receive(self, deadline: float | None) -> bytes:
         """One message (``Connection``'s framing), read in bounded waits; ``Empty`` at ``deadline``.

@@ -321,12 +321,27 @@ def _idle_counts() -> tuple[int, int]:
     return _IDLE
 
 
+_prune_wanted = False
+"""A prune that could not take ``_RECEIVED_LOCK`` left it to the next arrival."""
+
+
 def release_exited_workers() -> None:
     """Let go of the output slots of ``DataLoader`` workers that have exited (their arenas' mappings and
     file descriptors in this process). Runs when a pool arrives, and when an iterator of
-    :meth:`OnlineDataset.loader` is collected (after it has shut its workers down)."""
-    with _RECEIVED_LOCK:
+    :meth:`OnlineDataset.loader` is collected (after it has shut its workers down).
+
+    Never blocks: the cyclic garbage collector may run it inside this thread's own locked section (an
+    iterator left in a cycle by a worker's exception, collected during an arrival), where waiting for the
+    lock would wait forever; the next arrival then prunes instead.
+    """
+    global _prune_wanted
+    if not _RECEIVED_LOCK.acquire(blocking=False):
+        _prune_wanted = True
+        return
+    try:
         _prune_exited_workers()
+    finally:
+        _RECEIVED_LOCK.release()
 
 
 def _prune_exited_workers() -> None:
@@ -350,6 +365,10 @@ def _arrive(
 
     Call with ``_RECEIVED_LOCK`` held.
     """
+    global _prune_wanted
+    if _prune_wanted:
+        _prune_wanted = False
+        _prune_exited_workers()
     pool = _RECEIVED.get(key)
     if pool is None:
         if flags is None:
