@@ -133,3 +133,9 @@ def test_dataset_argument_errors():
         OnlineDataset(None, chunk_size=0)
     with pytest.raises(ValueError, match="sampling_mode must be"):
         OnlineDataset(None, chunk_size=2, sampling_mode="frame")
+    # a seed failed only when iterated (str + int, or manual_seed of a float)
+    for seed in ("7", 1.5, -1, 2**63, True):
+        with pytest.raises(
+            ValueError, match=rf"^seed must be None or an int in \[0, 2\*\*63 - 1\], got {seed!r}\.$"
+        ):
+            OnlineDataset(None, chunk_size=2, seed=seed)

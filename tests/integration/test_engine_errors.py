@@ -43,6 +43,29 @@ def test_worker_exception_arrives_as_the_original_type_everywhere():
     assert engine.state is OnlineDataEngineState.FAILED
 
 
+def test_raising_the_failure_again_and_again_does_not_grow_its_traceback():
+    """The same object is raised by every call: each raise added its frames (and their locals) to the last
+    one's, so a retry loop leaked memory and printed tracebacks thousands of frames long."""
+
+    def depth(error: BaseException) -> int:
+        count, tb = 0, error.__traceback__
+        while tb is not None:
+            count, tb = count + 1, tb.tb_next
+        return count
+
+    engine = _started(ScriptedSpec(fault="raise", fault_after=2), refill_policy="manual")
+    engine.request_refill()
+    _wait_failed(engine)
+    depths = []
+    for _ in range(50):
+        with pytest.raises(KeyError) as caught:
+            engine.sample_batch(1, 1)
+        depths.append(depth(caught.value))
+    assert len(set(depths)) == 1 and depths[0] < 10, depths
+    with pytest.raises(KeyError):
+        engine.stop()
+
+
 def test_error_during_start_is_raised_by_start():
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(fault="raise")))
     with pytest.raises(KeyError, match="scripted failure"):

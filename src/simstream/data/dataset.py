@@ -63,9 +63,9 @@ class OnlineDataset(IterableDataset):
         transform: Applied to every yielded TensorDict; its return value is yielded.
         sampling_mode: ``"episode"``, ``"segment"`` or ``"boundary"``.
         seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``, so every epoch
-            replays the same draws. ``None``: a fresh stream per iterator, from the seed ``DataLoader``
-            gives each worker of each iterator or, without workers, drawn from torch's global RNG (so
-            ``torch.manual_seed`` makes a run reproducible).
+            replays the same draws. ``None``: a fresh stream per iterator, drawn from torch's global RNG
+            of the process that iterates (``DataLoader`` seeds each worker's; a persistent worker's
+            moves on from epoch to epoch), so ``torch.manual_seed`` makes a run reproducible.
         item_block: Chunks fetched per selection in item mode. With per-episode quotas a fetch is charged
             whole, before its chunks are yielded: chunks fetched but never consumed still count. Use
             ``item_block=1`` for exact accounting.
@@ -110,6 +110,8 @@ class OnlineDataset(IterableDataset):
             raise ValueError(f"item_block must be an int >= 1, got {item_block!r}.")
         if type(worker_slots) is not int or not 0 <= worker_slots <= 64:
             raise ValueError(f"worker_slots must be an int in [0, 64], got {worker_slots!r}.")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {seed!r}.")
         steps = getattr(engine, "max_episode_steps", None)
         if steps is not None:
             _check_chunk_sizes(chunk_size, sampling_mode, steps)

@@ -203,7 +203,9 @@ class EngineLifecycle:
     def _raise_if_failed(self) -> None:
         error = self._shared.channel.error()
         if error is not None:
-            raise error
+            # the same object every time: without a fresh traceback each raise would add its frames to
+            # the last one's (a loop that retries a failed engine grew it by thousands of frames)
+            raise error.with_traceback(None)
 
     def _check_workers_alive(self) -> None:
         """Raise if a producer died (owner) or the owner stopped the producers (consumer)."""

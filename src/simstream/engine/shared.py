@@ -57,7 +57,7 @@ class EngineShared:
         """Raise the published failure, if any (the check of every bounded wait on a shared lock)."""
         error = self.channel.error()
         if error is not None:
-            raise error
+            raise error.with_traceback(None)  # one object raised again and again: see _raise_if_failed
 
     def wake_all(self) -> None:
         """Ring every producer's doorbell (a request, or closing). Never blocks."""
