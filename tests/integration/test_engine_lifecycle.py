@@ -409,6 +409,72 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
     assert not os.path.exists(temp_dir), "the forkserver left its killed owner's multiprocessing directory"
 
 
+_CONSUMER_OF_A_KILLED_OWNER_SCRIPT = """
+import multiprocessing as mp, os, signal, sys, time
+from simstream import OnlineDataEngine
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+
+def consume(engine, ready):
+    ready.set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            engine.sample_batch(2, 2)
+        except Exception as error:
+            print("consumer:", engine.state.value, type(error).__name__, error, flush=True)
+            return
+        time.sleep(0.01)
+    print("consumer: still sampling after 60 s", flush=True)
+
+
+def own(ready):
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6, refill_threshold=1))
+    engine.start()
+    consumer = mp.get_context("spawn").Process(target=consume, args=(engine, ready))
+    consumer.start()
+    ready.wait(120)
+    os.kill(os.getpid(), signal.SIGKILL)  # no stop(), no exit handlers
+
+
+if __name__ == "__main__":
+    context = mp.get_context("spawn")
+    ready = context.Event()
+    owner = context.Process(target=own, args=(ready,))
+    owner.start()
+    owner.join(180)
+    # the consumer, the owner's child, is an orphan now: it prints once it has its answer
+"""
+
+
+@pytest.mark.timeout(_SCRIPT_S + 60)
+def test_a_consumer_of_an_owner_killed_without_stop_gets_an_error_not_a_frozen_buffer(tmp_path):
+    """Producers leave with their owner; they now say why, and the consumers it started raise it instead
+    of sampling a buffer that never changes again (state READY, refills never served)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "consumer.py"
+    script.write_text(_CONSUMER_OF_A_KILLED_OWNER_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    out_path = tmp_path / "out.txt"
+    # a file, not a pipe: the orphaned consumer holds it open after the script's own process has ended
+    with open(out_path, "w") as out:
+        subprocess.run(
+            [sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=_SCRIPT_S, cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while "consumer:" not in out_path.read_text():
+        assert time.monotonic() < deadline, out_path.read_text()[-3000:]
+        threading.Event().wait(0.05)
+    line = next(line for line in out_path.read_text().splitlines() if line.startswith("consumer:"))
+    assert line.startswith("consumer: FAILED OnlineDataWorkerError OnlineDataEngine owner process "), line
+    assert "exited without stop(): the producers stopped with it" in line
+
+
 _UNGUARDED_SCRIPT = """
 import sys
 from simstream import OnlineDataEngine

@@ -43,6 +43,8 @@ def run_producer(
     source = spec.build(worker_index, derive_worker_seed(seed, worker_index))
     try:
         _Producer(shared, worker_index, row_start, row_end, spec.num_envs, source).run()
+        if not shared.close_flag.is_set():  # it returned for the owner's death, not for a stop()
+            _publish_owner_gone(shared, label)
     except BaseException as error:
         # Publish before close(): a failing close() must not hide the original failure.
         shared.channel.publish(error, label)
@@ -56,6 +58,23 @@ def run_producer(
             shared.channel.publish_durability_failure(close_error, label)
             shared.progress.notify()
             raise
+
+
+def _publish_owner_gone(shared: EngineShared, label: str) -> None:
+    """The owner died without ``stop()`` (SIGKILL, ``os._exit``): say so to the consumers it started, who
+    would otherwise sample a buffer that never changes again, state READY, their refills never served."""
+    import multiprocessing as mp
+
+    from ..errors import OnlineDataWorkerError
+
+    owner = mp.parent_process()
+    pid = owner.pid if owner is not None else "?"
+    error = OnlineDataWorkerError(
+        f"OnlineDataEngine owner process {pid} exited without stop(): the producers stopped with it, "
+        "and the buffer gets no more episodes."
+    )
+    if shared.channel.publish(error, label):
+        shared.progress.notify()
 
 
 class _Producer:
