@@ -435,3 +435,31 @@ def test_workers_freeze_what_they_inherited_and_still_run_the_users_init():
         frozen, ran = next(iter(loader)).tolist()
     assert frozen > 1000 and ran == 1
     assert _user_init_ran == []  # it ran in the worker
+
+
+def _put_last_words_and_exit(direct: DirectQueue, put_done) -> None:
+    direct.put("last words")  # the write lock is busy: it waits in this process's feeder thread
+    put_done.set()
+    # returns without close(), as a DataLoader worker whose dataset ran out does
+
+
+def test_a_worker_that_exits_without_closing_lets_its_feeder_finish_first():
+    """A daemon feeder was killed with its process: its message was lost, and killed inside a write it
+    kept the write lock for good, so the other workers could never send again (a stalled loader, about
+    one run in four of a loop that iterated again after a worker's exception)."""
+    context = loader_context("fork")
+    direct, put_done = context.Queue(), context.Event()
+    assert direct._write_lock.acquire(timeout=10)  # another writer, mid-message
+    child = context.Process(target=_put_last_words_and_exit, args=(direct, put_done))
+    child.start()
+    try:
+        assert put_done.wait(60)
+        direct._write_lock.release()
+        assert direct.get(timeout=30) == "last words"
+        child.join(30)
+        assert child.exitcode == 0
+        assert direct._write_lock.acquire(False), "the exited worker kept the write lock"
+        direct._write_lock.release()
+    finally:
+        child.join(30)
+        direct.close()

@@ -30,7 +30,7 @@ import struct
 import termios
 import threading
 import time
-from multiprocessing import connection
+from multiprocessing import connection, util
 from multiprocessing.context import BaseContext, assert_spawning
 from multiprocessing.reduction import ForkingPickler
 from queue import Empty
@@ -45,6 +45,8 @@ _INT32, _UINT64 = struct.Struct("!i"), struct.Struct("!Q")
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 """``fcntl`` command for a pipe's capacity (Linux)."""
 _FEEDER_SLICE_S = 0.1
+_CLOSE_WAIT_S = 5.0
+"""Longest wait of ``close()`` for this process's feeder thread to write its backlog."""
 """Longest wait of the feeder thread before it looks whether its queue was closed."""
 
 
@@ -78,6 +80,8 @@ class DirectQueue:
         self._backlog: collections.deque[bytes] = collections.deque()
         self._backlog_changed = threading.Condition(threading.Lock())
         self._feeder: threading.Thread | None = None
+        self._exiting = threading.Event()
+        """Set at this process's exit: the feeder writes its backlog and stops."""
         self._partial = bytearray()
         """Bytes of a message a timed-out ``get`` had begun to read."""
         self._poller: select.poll | None = None
@@ -103,6 +107,13 @@ class DirectQueue:
                 if self._feeder is None:
                     self._feeder = threading.Thread(target=self._feed, name="DirectQueue-feeder", daemon=True)
                     self._feeder.start()
+                    # A DataLoader worker whose dataset ran out exits after its last message without
+                    # closing the queue; a daemon feeder killed inside a write would keep the write lock
+                    # for good, and no other worker could send again. multiprocessing runs this at the
+                    # exit of the processes it starts (as Queue's own join of its feeder).
+                    util.Finalize(
+                        self, _let_feeder_finish, args=(self._feeder, self._exiting), exitpriority=-5
+                    )
                 self._backlog_changed.notify()
                 return
         try:
@@ -161,12 +172,13 @@ class DirectQueue:
             buffer += chunk
 
     def _feed(self) -> None:
-        """Write the backlog in order, each message under the write lock, until this end is closed."""
+        """Write the backlog in order, each message under the write lock, until this end is closed (and,
+        once it is, the backlog is written or the write lock stays out of reach)."""
         try:
             while True:
                 with self._backlog_changed:
                     while not self._backlog:
-                        if self._closed:
+                        if self._closed or self._exiting.is_set():
                             return
                         self._backlog_changed.wait(_FEEDER_SLICE_S)
                     payload = self._backlog[0]
@@ -207,9 +219,18 @@ class DirectQueue:
         return ForkingPickler.loads(payload)
 
     def close(self) -> None:
-        """Close this process's ends of the pipe; the queue cannot be used here afterwards."""
+        """Close this process's ends of the pipe; the queue cannot be used here afterwards.
+
+        First lets this process's feeder thread write its backlog, for at most ``_CLOSE_WAIT_S``: a
+        ``DataLoader`` worker closes its result queue and exits right after its last message (a worker
+        whose dataset ran out, while the others go on), and a feeder killed with its process inside a
+        write kept the write lock for good, so the other workers could never send again (the loader
+        stalled until its timeout, or forever without one).
+        """
         if not self._closed:
             self._closed = True
+            if self._pid == os.getpid():
+                _let_feeder_finish(self._feeder, self._exiting)
             self._reader.close()
             self._writer.close()
 
@@ -219,6 +240,13 @@ class DirectQueue:
     def join_thread(self) -> None:
         """No-op, as after ``cancel_join_thread``: a backlog left at close is dropped (``DataLoader``
         closes its queues only when it shuts down)."""
+
+
+def _let_feeder_finish(feeder: threading.Thread | None, exiting: threading.Event) -> None:
+    """Have ``feeder`` write its backlog and stop; wait for it at most ``_CLOSE_WAIT_S``."""
+    exiting.set()
+    if feeder is not None and feeder is not threading.current_thread():
+        feeder.join(_CLOSE_WAIT_S)
 
 
 _CONTEXT_TYPES: dict[type, type] = {}
