@@ -201,11 +201,7 @@ class EngineLifecycle:
 
     # -- liveness ------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
-        error = self._shared.channel.error()
-        if error is not None:
-            # the same object every time: without a fresh traceback each raise would add its frames to
-            # the last one's (a loop that retries a failed engine grew it by thousands of frames)
-            raise error.with_traceback(None)
+        self._shared.raise_if_failed()
 
     def _check_workers_alive(self) -> None:
         """Raise if a producer died (owner) or the owner stopped the producers (consumer)."""

@@ -11,6 +11,7 @@ between an actor and the owner (:mod:`simstream.ray`).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -19,6 +20,7 @@ from functools import partial
 
 import torch
 
+from ..errors import OnlineDataWorkerError
 from ..workers.supervisor import owner_watch
 from .publisher import Closing, WindowPublisher
 from .shared import EngineShared
@@ -63,10 +65,6 @@ def run_producer(
 def _publish_owner_gone(shared: EngineShared, label: str) -> None:
     """The owner died without ``stop()`` (SIGKILL, ``os._exit``): say so to the consumers it started, who
     would otherwise sample a buffer that never changes again, state READY, their refills never served."""
-    import multiprocessing as mp
-
-    from ..errors import OnlineDataWorkerError
-
     owner = mp.parent_process()
     pid = owner.pid if owner is not None else "?"
     error = OnlineDataWorkerError(

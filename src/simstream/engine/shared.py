@@ -57,7 +57,9 @@ class EngineShared:
         """Raise the published failure, if any (the check of every bounded wait on a shared lock)."""
         error = self.channel.error()
         if error is not None:
-            raise error.with_traceback(None)  # one object raised again and again: see _raise_if_failed
+            # the same object every time: without a fresh traceback each raise would add its frames to
+            # the last one's (a loop that retries a failed engine grew it by thousands of frames)
+            raise error.with_traceback(None)
 
     def wake_all(self) -> None:
         """Ring every producer's doorbell (a request, or closing). Never blocks."""
