@@ -41,9 +41,9 @@ def _freeze_inherited_objects() -> None:
     """In a ``DataLoader`` worker, once: move what the process inherited out of the garbage collector's
     reach. A forked worker inherits the trainer's uncollected garbage, typically an earlier iterator left in
     a reference cycle by a worker's exception; collected here, its ``__del__`` shuts down workers and
-    queues that are not this process's, and a worker that did so stalled its ``DataLoader`` (30-s
-    timeouts in a loop that caught a transform's exception and iterated again). Garbage the worker makes
-    itself is collected as usual."""
+    queues that are not this process's. (The 30-s stalls of a loop that caught a transform's exception
+    and iterated again had another cause, the feeder thread of ``DirectQueue``; this only keeps such
+    foreign shutdowns out of the workers.) Garbage the worker makes itself is collected as usual."""
     global _frozen_in
     if _frozen_in != os.getpid():
         _frozen_in = os.getpid()

@@ -222,10 +222,9 @@ class DirectQueue:
         """Close this process's ends of the pipe; the queue cannot be used here afterwards.
 
         First lets this process's feeder thread write its backlog, for at most ``_CLOSE_WAIT_S``: a
-        ``DataLoader`` worker closes its result queue and exits right after its last message (a worker
-        whose dataset ran out, while the others go on), and a feeder killed with its process inside a
-        write kept the write lock for good, so the other workers could never send again (the loader
-        stalled until its timeout, or forever without one).
+        process may exit right after closing, and a feeder killed with its process inside a write kept the
+        write lock for good, so no other writer could send again. (A ``DataLoader`` worker whose dataset
+        ran out exits without closing: the ``util.Finalize`` registered in :meth:`put` covers it.)
         """
         if not self._closed:
             self._closed = True
