@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
-import os
-import shutil
 import signal
 import traceback
 from functools import partial
 
 from ..workers.supervisor import Heartbeat, owner_watch
+from .crash_log import clean_up
 
 __all__ = ["collector_entry", "resolve_target"]
 
@@ -65,7 +64,4 @@ def collector_entry(
         faulthandler.disable()
         crash_log.close()
         if owner_watch()():  # the learner is gone: clean up as its close() would have
-            if crash_dir_is_temporary:
-                shutil.rmtree(os.path.dirname(crash_path), ignore_errors=True)
-            elif os.path.exists(crash_path) and os.path.getsize(crash_path) == 0:
-                os.remove(crash_path)  # a run directory keeps the log only when something went wrong
+            clean_up(crash_path, crash_dir_is_temporary)

@@ -12,7 +12,7 @@ import signal
 import tempfile
 import time
 
-__all__ = ["CrashLog"]
+__all__ = ["CrashLog", "clean_up"]
 
 FILE_NAME = "collector_crash.log"
 
@@ -59,7 +59,12 @@ class CrashLog:
 
     def cleanup(self) -> None:
         """Remove a temporary directory, or the log when it stayed empty (nothing went wrong)."""
-        if self.owns_directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
-        elif os.path.exists(self.path) and self.size() == 0:
-            os.remove(self.path)
+        clean_up(self.path, self.owns_directory)
+
+
+def clean_up(path: str, owns_directory: bool) -> None:
+    """:meth:`CrashLog.cleanup` by the log's path (the collector's, when the learner is gone)."""
+    if owns_directory:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    elif os.path.exists(path) and os.path.getsize(path) == 0:
+        os.remove(path)
