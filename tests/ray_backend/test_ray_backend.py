@@ -355,42 +355,70 @@ def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_c
     assert "did not exit in time" not in result.stderr, result.stderr[-3000:]
 
 
-def test_owner_killed_leaves_no_actor_running(cluster):
+_OWNER_KILLED_SCRIPT = """
+import multiprocessing as mp, os, sys, threading, time
+import ray
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.ray import RayBackend
+from tests.support.sources import ScriptedSpec
+
+
+def consume(engine, ready):
+    ready.set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            engine.sample_batch(2, 2)
+        except Exception as error:
+            print("consumer:", engine.state.value, type(error).__name__, error, flush=True)
+            return
+        threading.Event().wait(0.01)
+    print("consumer: still sampling after 60 s", flush=True)
+
+
+if __name__ == "__main__":
+    ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=2,
+                              backend=RayBackend(resources={"sim": 1}), initialization_timeout=120.0)
+    engine = OnlineDataEngine(cfg)
+    engine.start()
+    ready = mp.get_context("spawn").Event()
+    consumer = mp.get_context("spawn").Process(target=consume, args=(engine, ready))
+    consumer.start()
+    ready.wait(120)
+    print("ready", flush=True)
+    threading.Event().wait(600)
+"""
+
+
+def test_owner_killed_leaves_no_actor_running_and_its_consumers_get_an_error(cluster, tmp_path):
+    """The ingest leaves with its owner, ends the actors, and says why: a consumer the owner started raises
+    it instead of sampling a buffer that never changes again (state READY, refills never served)."""
     import ray
 
-    script = textwrap.dedent(
-        f"""
-        import sys, threading
-        import ray
-        from simstream import OnlineDataEngine, OnlineDataEngineCfg
-        from simstream.ray import RayBackend
-        from tests.support.sources import ScriptedSpec
-        ray.init(address={ray.get_runtime_context().gcs_address!r}, logging_level="WARNING",
-                 log_to_driver=False)
-        cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=2,
-                                  backend=RayBackend(resources={{"sim": 1}}), initialization_timeout=120.0)
-        engine = OnlineDataEngine(cfg)
-        engine.start()
-        print("ready", flush=True)
-        threading.Event().wait(600)
-        """
-    )
-    owner = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-    )
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER_KILLED_SCRIPT)
+    out_path = tmp_path / "out.txt"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    # a file, not a pipe: the orphaned consumer holds it open after the owner has ended
+    with open(out_path, "w") as out:
+        owner = subprocess.Popen(
+            [sys.executable, str(script), ray.get_runtime_context().gcs_address],
+            stdout=out, stderr=subprocess.STDOUT, cwd=root, env={**os.environ, "PYTHONPATH": root},
+        )  # fmt: skip
     try:
-        assert owner.stdout.readline().strip() == "ready"
+        wait_for(lambda: "ready" in out_path.read_text(), "the owner to start its engine and consumer", 120)
         assert sim_available() == SIM_CPUS - 2
         owner.kill()
         owner.wait(30)
         wait_for(lambda: sim_available() == SIM_CPUS, "the dead owner's actors to end")
+        wait_for(lambda: "consumer:" in out_path.read_text(), "the orphaned consumer's answer")
     finally:
         owner.kill()
         owner.wait(30)
-        owner.stdout.close()
+    line = next(line for line in out_path.read_text().splitlines() if line.startswith("consumer:"))
+    assert line.startswith("consumer: FAILED OnlineDataWorkerError OnlineDataEngine owner process "), line
+    assert "exited without stop(): the producers stopped with it" in line
 
 
 def test_stream_command_runs_its_producers_as_ray_actors(cluster):

@@ -26,7 +26,7 @@ from .publisher import Closing, WindowPublisher
 from .shared import EngineShared
 from .window import derive_worker_seed, generate_window, window_starts
 
-__all__ = ["run_producer"]
+__all__ = ["publish_owner_gone", "run_producer"]
 
 _IDLE_WAIT_S = 0.5
 
@@ -46,7 +46,7 @@ def run_producer(
     try:
         _Producer(shared, worker_index, row_start, row_end, spec.num_envs, source).run()
         if not shared.close_flag.is_set():  # it returned for the owner's death, not for a stop()
-            _publish_owner_gone(shared, label)
+            publish_owner_gone(shared, label)
     except BaseException as error:
         # Publish before close(): a failing close() must not hide the original failure.
         shared.channel.publish(error, label)
@@ -62,7 +62,7 @@ def run_producer(
             raise
 
 
-def _publish_owner_gone(shared: EngineShared, label: str) -> None:
+def publish_owner_gone(shared: EngineShared, label: str) -> None:
     """The owner died without ``stop()`` (SIGKILL, ``os._exit``): say so to the consumers it started, who
     would otherwise sample a buffer that never changes again, state READY, their refills never served."""
     owner = mp.parent_process()

@@ -55,6 +55,7 @@ from ray.exceptions import (
 )
 
 from ..config import OnlineDataEngineCfg
+from ..engine.producer import publish_owner_gone
 from ..engine.publisher import Closing, WindowPublisher
 from ..engine.shared import EngineShared
 from ..engine.window import derive_worker_seed, window_starts
@@ -117,6 +118,8 @@ def run_ingest(
         # fifth to a third (BENCHMARKS.md, "Ray producers", run 6).
         gc.freeze()
         producers.run()
+        if not shared.close_flag.is_set():  # it returned for the owner's death or a failure, not a stop()
+            publish_owner_gone(shared, "ray-ingest")
     finally:
         # the sources' close() has shutdown_timeout, as a local producer's; the owner waits RAY_LEAVE_S
         # longer for this process, for the actors' kills and leaving Ray
