@@ -171,3 +171,25 @@ def test_two_shutdowns_at_once_run_one_after_the_other():
     assert not any(thread.is_alive() for thread in threads) and errors == []
     assert reports[0].exitcodes == {"slow": 0} and reports[1].exitcodes == {}
     assert supervisor.processes == {}
+
+
+def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
+    """The owner decides on Ctrl-C; a worker's first act ignores it. Before that act, a ``spawn`` worker
+    unpickles its arguments and re-imports the main module for seconds: a Ctrl-C then killed it with a
+    ``KeyboardInterrupt`` traceback on the terminal. Workers now start with SIGINT blocked."""
+    from tests.support.workers import InterruptsItsUnpickling
+
+    ctx = mp.get_context("spawn")
+    channel, ran = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    spec = WorkerSpec(
+        "interrupted", "tests.support.workers:expect_unpickled", (InterruptsItsUnpickling(), ran)
+    )
+    supervisor.start([spec])
+    try:
+        assert ran.wait(60.0), f"the worker did not run its body: {channel.error()!r}"
+    finally:
+        report = supervisor.shutdown(30.0)
+    assert report.exitcodes == {"interrupted": 0}
+    # its return, unasked for, is all the monitor saw: no KeyboardInterrupt
+    assert str(channel.error()) == "interrupted died with exit code 0"

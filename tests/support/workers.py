@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 
 def exit_when_told(go, code: int) -> None:
@@ -14,3 +15,23 @@ def exit_when_told(go, code: int) -> None:
 def wait_for(stop) -> None:
     """Return once ``stop`` is set (bounded)."""
     stop.wait(60.0)
+
+
+def _interrupt_this_process() -> str:
+    os.kill(os.getpid(), signal.SIGINT)
+    return "unpickled"
+
+
+class InterruptsItsUnpickling:
+    """An argument whose unpickling in the worker sends the worker SIGINT: a Ctrl-C that reaches the
+    process group while a ``spawn`` worker is still being prepared (re-importing the main module)."""
+
+    def __reduce__(self):
+        return (_interrupt_this_process, ())
+
+
+def expect_unpickled(value, ran) -> None:
+    """Check that the argument was unpickled, then say so through ``ran``."""
+    if value != "unpickled":
+        raise AssertionError(f"argument arrived as {value!r}")
+    ran.set()

@@ -69,6 +69,10 @@ def worker_entry(
     travels with the published exception (every reader adds it as a note) and is
     printed here only when an earlier failure was published instead.
     """
+    # Ctrl-C reaches the whole process group: the owner decides, and its stop() ends the workers cleanly.
+    # The worker began with SIGINT blocked (see WorkerSupervisor.start); once ignored, a pending one is void.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if entered is not None:
         entered.mark(index)
     try:
@@ -267,7 +271,9 @@ class WorkerSupervisor:
                 name=spec.label,
                 daemon=self._daemon,
             )
-            with ctrl_c_deferred():  # a child started but not registered would be left to itself
+            # a child started but not registered would be left to itself; and a child begins with SIGINT
+            # blocked: a Ctrl-C while spawn re-imports the main module (seconds) printed its traceback
+            with ctrl_c_deferred(), _sigint_blocked():
                 process.start()  # registered only once started: shutdown() joins what it holds
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
@@ -450,6 +456,18 @@ def ctrl_c_deferred() -> Iterator[None]:
     finally:
         if held:
             signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread for the block. A process started inside it inherits the mask through
+    ``fork`` and ``exec``, so it cannot be interrupted before :func:`worker_entry` ignores SIGINT. (A
+    ``forkserver`` child inherits the forkserver's mask instead; it only unpickles its arguments first.)"""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _notify(on_exit: Callable[[], None] | None) -> None:
