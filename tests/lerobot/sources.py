@@ -42,6 +42,8 @@ class PatternSpec:
     fps: int = 20
     empty_every: int = 0
     """Every ``empty_every``-th episode of a producer has no frame (length 0); 0: none."""
+    truncated_every: int = 0
+    """Every ``truncated_every``-th episode of a producer ends truncated, not terminated; 0: none."""
 
     def fields(self) -> dict[str, Field]:
         fields = {"obs/state": Field((4,)), "actions": Field((2,)), "rewards": Field(())}
@@ -74,7 +76,11 @@ class PatternSource:
                 images = np.stack([pattern(tag, k, self.spec.image_size) for k in range(length)])
                 rows["obs", "image"][row, :length] = torch.from_numpy(images)
             segments = expected_segments(length) if length else []
-            episodes.append(Episode(length, True, TASKS[tag % 2], segments, terminated=True))
+            every = self.spec.truncated_every
+            truncated = bool(every) and (self.count - 1) % every == every - 1
+            episodes.append(
+                Episode(length, True, TASKS[tag % 2], segments, terminated=not truncated, truncated=truncated)
+            )
         return episodes
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ def _check_opens_with(root: Path, reported: int) -> int:
     # LeRobot counts episodes and frames from info.json and reads the files the episodes reference
     assert reported <= info["total_episodes"] <= len(meta.episodes)
     assert info["total_frames"] == sum(e["length"] for e in meta.episodes[: info["total_episodes"]])
-    reader = EpisodeReader(meta, payload_features(meta, KeyMap()))
+    reader = EpisodeReader(meta, payload_features(meta, KeyMap())[0])
     try:
         for e, ep in enumerate(meta.episodes):
             read = reader.read(e)
@@ -75,7 +75,7 @@ def _append_repairs(root: Path, committed: int) -> None:
     writer.flush()
     meta = read_dataset_meta(root)
     assert len(meta.episodes) == committed + 1 == meta.info["total_episodes"]
-    reader = EpisodeReader(meta, payload_features(meta, KeyMap()))
+    reader = EpisodeReader(meta, payload_features(meta, KeyMap())[0])
     try:
         assert int(reader.read(committed).frames["obs/state"][0, 0]) == 100
     finally:

@@ -105,9 +105,9 @@ def test_a_key_holding_a_slash_appends_and_replays(tmp_path):
     key_map = KeyMap({"sensor/state": "obs/state"})
     features = features_from_fields(PatternSpec().fields(), key_map, video=True)
     for episode in range(3):  # each writer reopens the dataset (repair reads the per-episode stats keys)
-        writer = DatasetWriter(tmp_path / "ds", features, 20)
-        writer.add(pattern_record(episode, image_size=None))
-        writer.flush()
+        with DatasetWriter(tmp_path / "ds", features, 20) as writer:
+            writer.add(pattern_record(episode, image_size=None))
+            writer.flush()
     assert writer.episodes_flushed == 3
     assert "obs/state" in LeRobotSpec(tmp_path / "ds", key_map={"sensor/state": "obs/state"}).fields()
 
@@ -258,18 +258,13 @@ def test_a_field_of_shape_1_is_stored_as_lerobot_stores_shape_1_and_replays_with
 
 def test_appending_keeps_the_datasets_robot_type_unless_the_recording_names_one(tmp_path):
     features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
-    writer = DatasetWriter(tmp_path / "ds", features, 20, robot_type="franka")
-    writer.add(pattern_record(0, image_size=None))
-    writer.flush()
     info = tmp_path / "ds" / "meta" / "info.json"
-    writer = DatasetWriter(tmp_path / "ds", features, 20)  # e.g. simstream record into the same folder
-    writer.add(pattern_record(1, image_size=None))
-    writer.flush()
-    assert json.loads(info.read_text())["robot_type"] == "franka"
-    writer = DatasetWriter(tmp_path / "ds", features, 20, robot_type="ur5")
-    writer.add(pattern_record(2, image_size=None))
-    writer.flush()
-    assert json.loads(info.read_text())["robot_type"] == "ur5"
+    for episode, robot_type, expected in ((0, "franka", "franka"), (1, None, "franka"), (2, "ur5", "ur5")):
+        # the second is e.g. simstream record into the same folder
+        with DatasetWriter(tmp_path / "ds", features, 20, robot_type=robot_type) as writer:
+            writer.add(pattern_record(episode, image_size=None))
+            writer.flush()
+        assert json.loads(info.read_text())["robot_type"] == expected
 
 
 @pytest.mark.parametrize(

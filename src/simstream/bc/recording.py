@@ -89,4 +89,4 @@ def check_record_target(source: Any, root: Any) -> None:
     if not (Path(root) / "meta" / "info.json").exists():
         return
     features = features_from_fields(dict(source.fields()), KeyMap(None), True)
-    DatasetWriter(root, features, source.fps)  # repairs an interrupted dataset, as the recorder would
+    DatasetWriter(root, features, source.fps).close()  # repairs an interrupted dataset, as the recorder would

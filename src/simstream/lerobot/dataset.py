@@ -15,7 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from .format import CODEBASE_VERSION, DATA_PATH, VIDEO_PATH, Feature, LeRobotFormatError, features_from_info
+from .format import (
+    BOOKKEEPING_KEYS,
+    CODEBASE_VERSION,
+    DATA_PATH,
+    EXTRA_KEYS,
+    VIDEO_PATH,
+    Feature,
+    LeRobotFormatError,
+    features_from_info,
+)
 from .names import KeyMap
 
 __all__ = ["DatasetMeta", "EpisodeReader", "read_dataset_meta"]
@@ -154,6 +163,13 @@ def read_dataset_meta(root: Path | str) -> DatasetMeta:
                 f"{folder}: episode {ep['episode_index']} (frames from {ep['dataset_from_index']}) breaks "
                 f"the sequence: expected episode {position} from frame {expected_from}"
             )
+        span = ep["dataset_to_index"] - ep["dataset_from_index"]
+        if ep["length"] != span or span < 1:
+            raise LeRobotFormatError(
+                f"{folder}: episode {position} has length {ep['length']} but spans frames "
+                f"{ep['dataset_from_index']} to {ep['dataset_to_index']} ({span}); every episode holds "
+                "at least one frame and its length is its span"
+            )
         expected_from = ep["dataset_to_index"]
     tasks = _language(root / "meta" / "tasks.parquet", "task_index", "task", required=bool(episodes))
     subtasks = _language(root / "meta" / "subtasks.parquet", "subtask_index", "subtask", required=False)
@@ -213,9 +229,12 @@ class EpisodeReader:
             elif f.scalar:
                 columns[f.key] = column.to_numpy(zero_copy_only=False)
             elif not pa.types.is_nested(column.type):  # a (1,) field, stored one value per frame
-                columns[f.key] = column.to_numpy(zero_copy_only=False).reshape(len(column), 1)
+                columns[f.key] = _per_frame(column.to_numpy(zero_copy_only=False), len(column), f, path)
             else:
-                columns[f.key] = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), -1)
+                values = column
+                while pa.types.is_nested(values.type):  # a list per frame, of lists for a feature of 2+ dims
+                    values = values.flatten()
+                columns[f.key] = _per_frame(values.to_numpy(zero_copy_only=False), len(column), f, path)
         for key in ("index", "task_index", "subtask_index", "segment_id"):
             if key in table.column_names:
                 columns[key] = table.column(key).to_numpy()
@@ -243,7 +262,14 @@ class EpisodeReader:
         extra = {
             k: columns[k][lo : lo + length] if k in columns else None for k in ("subtask_index", "segment_id")
         }
-        return EpisodeFrames(frames, columns["task_index"][lo : lo + length], **extra)
+        task_index = columns["task_index"][lo : lo + length]
+        _check_indices(task_index, len(self.meta.tasks), "task_index", "tasks.parquet", path, episode_index)
+        if extra["subtask_index"] is not None and extra["segment_id"] is not None and self.meta.subtasks:
+            named = extra["subtask_index"][extra["segment_id"] >= 0]  # frames outside a segment name none
+            _check_indices(
+                named, len(self.meta.subtasks), "subtask_index", "subtasks.parquet", path, episode_index
+            )
+        return EpisodeFrames(frames, task_index, **extra)
 
     def _decode(self, ep: dict[str, Any], feature: Feature, length: int) -> np.ndarray:
         import av
@@ -267,7 +293,7 @@ class EpisodeReader:
         fps = self.meta.fps
         first = round(start * fps)
         out = np.empty((length, *feature.shape), dtype=np.uint8)
-        got = 0
+        filled = np.zeros(length, dtype=bool)
         try:
             container.seek(int(start / stream.time_base), stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
@@ -282,12 +308,14 @@ class EpisodeReader:
                         f"{path}: frames are {image.shape[:2]}, info.json says {feature.shape[1:]}"
                     )
                 out[index] = image.transpose(2, 0, 1)
-                got = index + 1
+                filled[index] = True
         except av.error.FFmpegError as error:
             raise LeRobotFormatError(f"{path}: decoding failed (truncated or damaged?): {error}") from error
-        if got != length:
+        if not filled.all():
+            missing = np.flatnonzero(~filled)
             raise LeRobotFormatError(
-                f"{path}: holds {got} of the {length} frames of episode {ep['episode_index']} (truncated?)"
+                f"{path}: holds {int(filled.sum())} of the {length} frames of episode {ep['episode_index']} "
+                f"(truncated?); frame {int(missing[0])} and {len(missing) - 1} more have no picture"
             )
         return out
 
@@ -295,6 +323,25 @@ class EpisodeReader:
         for container in self._containers.values():
             container.close()
         self._containers.clear()
+
+
+def _per_frame(values: np.ndarray, frames: int, feature: Feature, path: Path) -> np.ndarray:
+    """A column's flat values as ``[frames, *shape]``, or an error naming the file when they do not fit."""
+    per_frame = int(np.prod(feature.shape))
+    if values.size != frames * per_frame:
+        raise LeRobotFormatError(
+            f"{path}: column {feature.key!r} holds {values.size} values for {frames} frames; meta/info.json "
+            f"declares shape {list(feature.shape)} ({per_frame} per frame)"
+        )
+    return values.reshape(frames, *feature.shape)
+
+
+def _check_indices(values: np.ndarray, count: int, column: str, table: str, path: Path, episode: int) -> None:
+    if len(values) and (int(values.min()) < 0 or int(values.max()) >= count):
+        bad = int(values.max()) if int(values.max()) >= count else int(values.min())
+        raise LeRobotFormatError(
+            f"{path}: {column} {bad} of episode {episode} names no row of meta/{table} ({count} rows)"
+        )
 
 
 def _png(data: bytes, feature: Feature, path: Path) -> np.ndarray:
@@ -309,11 +356,28 @@ def _png(data: bytes, feature: Feature, path: Path) -> np.ndarray:
     return image.transpose(2, 0, 1)
 
 
-def payload_features(meta: DatasetMeta, key_map: KeyMap) -> list[Feature]:
-    """The dataset's payload features, named by the rule and ``key_map``."""
-    scalar = scalar_columns(meta)
-    key_map.check_known(meta.info["features"], str(meta.root / "meta" / "info.json"))
-    return features_from_info(meta.info, scalar, key_map, meta.root / "meta" / "info.json")
+def payload_features(meta: DatasetMeta, key_map: KeyMap) -> tuple[list[Feature], dict[str, str]]:
+    """The dataset's payload features, named by the rule and ``key_map``, and those a replay cannot
+    stream, each with the reason.
+
+    Raises:
+        ValueError: ``key_map`` names a key the dataset lacks, one of its bookkeeping columns, or a feature
+            that cannot be streamed.
+    """
+    info_path = meta.root / "meta" / "info.json"
+    key_map.check_known(meta.info["features"], str(info_path))
+    features, skipped = features_from_info(meta.info, scalar_columns(meta), key_map, info_path)
+    for key in key_map.overrides:
+        if key in BOOKKEEPING_KEYS or key in EXTRA_KEYS:
+            raise ValueError(
+                f"key_map names {key!r}, one of the dataset's bookkeeping columns of {info_path}, not a "
+                "payload feature: it is never a field"
+            )
+        if key in skipped:
+            raise ValueError(
+                f"key_map names {key!r} of {info_path}, which a replay cannot stream: {skipped[key]}"
+            )
+    return features, skipped
 
 
 def scalar_columns(meta: DatasetMeta) -> set[str]:

@@ -88,6 +88,14 @@ _DTYPES = {
     torch.bool: "bool",
 }
 _TORCH = {name: dtype for dtype, name in _DTYPES.items()}
+_READABLE = {
+    **_TORCH,
+    "float16": torch.float16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+}
+"""Dtypes a replay reads (LeRobot writes these too); a recording writes only :data:`_DTYPES`."""
 
 
 class LeRobotFormatError(ValueError):
@@ -106,9 +114,11 @@ class Feature:
     key: str
     field: str
     dtype: str
-    """``float32``, ``float64``, ``int64``, ``int32``, ``bool``, ``image`` or ``video``."""
+    """``float32``, ``float64``, ``int64``, ``int32``, ``bool``, ``image`` or ``video`` (a replay also
+    reads ``float16``, ``uint8``, ``int8`` and ``int16``)."""
     shape: tuple[int, ...]
-    """LeRobot's shape: ``(1,)`` for a per-frame scalar, ``(3, H, W)`` for a camera."""
+    """LeRobot's shape: ``(1,)`` for a per-frame scalar, ``(3, H, W)`` for a camera (a replay also reads
+    features of several dimensions, e.g. ``(2, 3)``)."""
     scalar: bool = False
     """The field has shape ``()``; a replayed plain column (LeRobot shape ``[1]``) is read as one."""
 
@@ -132,7 +142,7 @@ class Feature:
     def field_spec(self) -> Field:
         if self.visual:
             return Field(tuple(self.shape), torch.uint8)
-        return Field(() if self.scalar else tuple(self.shape), _TORCH[self.dtype])
+        return Field(() if self.scalar else tuple(self.shape), _READABLE[self.dtype])
 
 
 def features_from_fields(fields: dict[str, Field], key_map: KeyMap, video: bool) -> list[Feature]:
@@ -204,19 +214,31 @@ def info_features(features: list[Feature], fps: int, video_codec: str = "av1") -
 
 def features_from_info(
     info: dict[str, Any], scalar_keys: set[str], key_map: KeyMap, path: Path
-) -> list[Feature]:
-    """Payload features of ``info.json`` (bookkeeping, extras and string features left out).
+) -> tuple[list[Feature], dict[str, str]]:
+    """Payload features of ``info.json``, and the features a replay cannot stream, each with the reason
+    (bookkeeping columns and simstream's extras are neither).
 
     Raises:
-        LeRobotFormatError: a camera feature whose shape is not 3-D.
+        LeRobotFormatError: a feature without a shape, a camera feature whose shape is not 3-D.
         ValueError: two features that would be one field (naming both; a ``key_map`` tells them apart).
     """
-    features = []
+    features: list[Feature] = []
+    skipped: dict[str, str] = {}
     owners: dict[str, str] = {}
     for key, spec in info["features"].items():
         if key in BOOKKEEPING_KEYS or key in EXTRA_KEYS:
             continue
-        dtype, shape = spec.get("dtype"), tuple(spec.get("shape") or ())
+        dtype, raw_shape = spec.get("dtype"), spec.get("shape")
+        if dtype in ("string", "audio"):
+            skipped[key] = f"a {dtype} feature, which is not a tensor"
+            continue
+        valid_shape = isinstance(raw_shape, list) and all(type(n) is int and n >= 1 for n in raw_shape)
+        if not valid_shape or not raw_shape:
+            raise LeRobotFormatError(
+                f"{path}: feature {key!r} ({dtype}) needs a shape, a non-empty list of ints >= 1, got "
+                f"{raw_shape!r}"
+            )
+        shape = tuple(raw_shape)
         if dtype in ("image", "video"):
             if len(shape) != 3:
                 raise LeRobotFormatError(
@@ -230,10 +252,11 @@ def features_from_info(
                     "camera; only 3-channel images and videos are read (depth maps are not)"
                 )
             features.append(Feature(key, key_map.field(key), dtype, shape))
-        elif dtype in _TORCH and len(shape) == 1:
-            scalar = key in scalar_keys and spec.get(FIELD_SHAPE_KEY) != [1]
+        elif dtype in _READABLE:
+            scalar = len(shape) == 1 and key in scalar_keys and spec.get(FIELD_SHAPE_KEY) != [1]
             features.append(Feature(key, key_map.field(key), dtype, shape, scalar=scalar))
-        else:  # string, audio and multi-dimensional features are not payload fields: skipped
+        else:
+            skipped[key] = f"dtype {dtype!r}; a replay reads {sorted(_READABLE)}, images and videos"
             continue
         field = features[-1].field
         if field in owners:
@@ -242,7 +265,7 @@ def features_from_info(
                 "them overwritten in every frame): give one of them another name with key_map"
             )
         owners[field] = key
-    return features
+    return features, skipped
 
 
 # -- stats ---------------------------------------------------------------------------------------------

@@ -67,7 +67,9 @@ class LeRobotRecorder:
             on small frames about the same bytes); an appended dataset keeps its own.
         key_map: ``{lerobot_key: field_name}`` overrides of the naming rule.
         max_episodes: Stop recording after this many (then producers run freely).
-        only_success: Record only episodes whose last frame is not truncated; the others are counted.
+        only_success: Record only episodes that did not end truncated (cut at the source's step limit); the
+            others are counted in :attr:`episodes_filtered`. Every recorded episode has ``success=True``:
+            the engine publishes only the episodes its source accepted.
         on_full: ``"wait"``: producers wait for the recorder; ``"skip"``: they overwrite and count.
         flush_every: Episodes per group of files. Each group costs a fixed ~18 ms of CPU (two parquet
             files, the JSON metadata) and adds files to the dataset, so groups are large by default;
@@ -143,6 +145,9 @@ class LeRobotRecorder:
         self._flushed = threading.Condition()
         self._row_views: _RowViews | None = None
         self._texts: dict[tuple[str, int], str] = {}
+        self._attached = False
+        """This recorder attached the engine's record gate and has not detached it yet."""
+        self._closed = False
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -179,11 +184,17 @@ class LeRobotRecorder:
 
     def start(self) -> LeRobotRecorder:
         """Attach to the engine's record gate and start copying."""
-        if self._thread is not None:
+        if self._thread is not None or self._closed:
             raise RuntimeError("LeRobotRecorder.start() was already called")
+        if self._shared.record_gate.attached:
+            raise RuntimeError(
+                "LeRobotRecorder.start(): another recorder is attached to this engine; one recorder per "
+                "engine at a time (close the other first)"
+            )
         self._skipped_base = self._shared.record_gate.total_skipped()  # an earlier recorder's skips
         self._waited_base = self._shared.record_gate.total_waited_s()
         self._shared.record_gate.attach(self.on_full)
+        self._attached = True
         self._writer_thread = threading.Thread(target=self._write, name="lerobot-writer", daemon=True)
         self._writer_thread.start()
         self._thread = threading.Thread(target=self._run, name="lerobot-recorder", daemon=True)
@@ -212,7 +223,9 @@ class LeRobotRecorder:
                         f"LeRobotRecorder.close: the recorder thread {thread.name!r} did not finish in "
                         f"{timeout_s} s"
                     )
-        self._shared.record_gate.detach()
+        self._detach()
+        self._closed = True
+        self.writer.close()
         self.check()
 
     def __enter__(self) -> LeRobotRecorder:
@@ -230,7 +243,7 @@ class LeRobotRecorder:
                 stopping = self._stop.is_set()  # read before the scan: a final pass sees everything published
                 copied = 0 if self.done else self._copy_published()
                 if self.done:
-                    self._shared.record_gate.detach()  # producers run freely past the requested count
+                    self._detach()  # producers run freely past the requested count
                 pending = len(self._group)
                 due = time.monotonic() - last_handoff >= self.flush_interval_s
                 if pending >= self.flush_every or (pending and (stopping or self.done or due)):
@@ -246,8 +259,15 @@ class LeRobotRecorder:
         except BaseException as error:  # surfaced by check() / close()
             self._fail(error)
         finally:
-            self._shared.record_gate.detach()  # no producer may wait on a recorder that is gone
+            self._detach()  # no producer may wait on a recorder that is gone
             self._put(_DONE)
+
+    def _detach(self) -> None:
+        """Stop gating the engine's claims, if this recorder is the one that started it (after it detached,
+        another recorder may have attached)."""
+        if self._attached:
+            self._attached = False
+            self._shared.record_gate.detach()
 
     def _hand_off(self) -> None:
         if self._group:
@@ -288,7 +308,7 @@ class LeRobotRecorder:
         if self._error is None:
             self._error = error
             logger.exception("LeRobot recorder failed", exc_info=error)
-        self._shared.record_gate.detach()  # producers must not wait on a recorder that failed
+        self._detach()  # producers must not wait on a recorder that failed
         with self._flushed:
             self._flushed.notify_all()
 
@@ -318,7 +338,7 @@ class LeRobotRecorder:
             if episode is None:  # no frame: nothing a LeRobot episode could hold
                 self.episodes_empty += 1
                 continue
-            if self.only_success and not episode.success:
+            if self.only_success and episode.truncated:
                 self.episodes_filtered += 1
                 continue
             self._group.append(episode)
@@ -356,7 +376,7 @@ class LeRobotRecorder:
             subtasks=[texts[i] for i in subtask_ids.tolist()],
             segment_id=segment_id,
             segment_accepted=accepted,
-            success=not truncated,
+            success=True,  # the engine publishes only the episodes its source accepted
             terminated=bool(meta["terminated"][-1]),
             truncated=truncated,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from .format import Feature
 
 __all__ = ["LeRobotEpisodeSource", "LeRobotSpec"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class LeRobotSpec:
     fields_subset: Sequence[str] | None = None
     """Stream only these fields (e.g. to mix with a source that has fewer); ``None``: all."""
     _features: tuple = field(default=(), init=False, repr=False, compare=False)
+    _skipped: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _fps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,15 +65,36 @@ class LeRobotSpec:
         meta = read_dataset_meta(self.root)
         if not meta.episodes:
             raise ValueError(f"LeRobotSpec.root: {meta.root} holds no episode")
-        features = payload_features(meta, KeyMap(self.key_map))
+        key_map = KeyMap(self.key_map)
+        features, skipped = payload_features(meta, key_map)
         if self.fields_subset is not None:
-            names = {f.field for f in features}
-            unknown = sorted(set(self.fields_subset) - names)
-            if unknown:
+            subset = self.fields_subset
+            if isinstance(subset, str) or not all(isinstance(name, str) for name in subset) or not subset:
                 raise ValueError(
-                    f"LeRobotSpec.fields_subset names {unknown}, not fields of {meta.root}: {sorted(names)}"
+                    "LeRobotSpec.fields_subset must be a non-empty list of field names or None, got "
+                    f"{subset!r}"
                 )
-            features = [f for f in features if f.field in set(self.fields_subset)]
+            names = {f.field for f in features}
+            unknown = sorted(set(subset) - names)
+            if unknown:
+                reasons = {key_map.field(key): reason for key, reason in skipped.items()}
+                why = "".join(
+                    f"; {name!r} cannot be streamed: {reasons[name]}" for name in unknown if name in reasons
+                )
+                raise ValueError(
+                    f"LeRobotSpec.fields_subset names {unknown}, not fields of {meta.root}: "
+                    f"{sorted(names)}{why}"
+                )
+            features = [f for f in features if f.field in set(subset)]
+        elif skipped:
+            logger.warning(
+                "LeRobotSpec: %s: not streamed: %s",
+                meta.root,
+                "; ".join(f"{key!r} ({reason})" for key, reason in skipped.items()),
+            )
+        if not features:
+            raise ValueError(f"LeRobotSpec.root: {meta.root} holds no feature a replay can stream")
+        object.__setattr__(self, "_skipped", dict(skipped))
         longest = max(int(ep["length"]) for ep in meta.episodes)
         steps = longest if self.max_episode_steps is None else self.max_episode_steps
         if type(steps) is not int or steps < 1:
@@ -82,6 +107,12 @@ class LeRobotSpec:
     def fps(self) -> int:
         """Frames per second of the dataset (a recorder of this source writes at the same rate)."""
         return self._fps
+
+    @property
+    def skipped_features(self) -> dict[str, str]:
+        """LeRobot keys of the dataset that are not streamed (string and audio features, unreadable dtypes),
+        each with the reason; a ``key_map`` or ``fields_subset`` naming one is an error."""
+        return dict(self._skipped)
 
     def fields(self) -> dict[str, Field]:
         return {f.field: f.field_spec() for f in self._features}

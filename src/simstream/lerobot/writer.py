@@ -17,6 +17,7 @@ may lag one group behind its episodes files until the next flush or repair.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -53,7 +54,7 @@ from .format import (
     write_parquet,
 )
 
-__all__ = ["DatasetWriter", "EpisodeRecord", "repair"]
+__all__ = ["DatasetInUseError", "DatasetWriter", "EpisodeRecord", "repair"]
 
 
 @dataclass
@@ -113,18 +114,59 @@ class DatasetWriter:
         self.next_file = 0
         self._pending: list[EpisodeRecord] = []
         self._language_written = (0, 0)
+        self._lock_fd: int | None = None
         if (self.root / "meta" / "info.json").exists():
-            self._resume()  # it may switch to the dataset's codec
-            check_video_frames(self.features, self.video_codec)
-        else:
-            check_video_frames(self.features, self.video_codec)
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._write_meta()
+            from .dataset import read_dataset_meta
+
+            # a refused append changes nothing: checked before the lock and the repair (it may switch to
+            # the dataset's codec)
+            self._check_appendable(read_dataset_meta(self.root))
+        check_video_frames(self.features, self.video_codec)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_folder(self.root)
+        try:
+            if (self.root / "meta" / "info.json").exists():  # again: another writer may have made it since
+                self._resume()
+            else:
+                self._write_meta()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let other writers open the dataset (queued episodes not flushed are dropped). Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked children that inherited the descriptor
+            os.close(fd)
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            self.close()
 
     # -- append ---------------------------------------------------------------------------------------
     def _resume(self) -> None:
-        state = repair(self.root)
-        info = state["info"]
+        state = _repair(self.root)
+        self._check_appendable(state["meta"])
+        check_video_frames(self.features, self.video_codec)
+        self.tasks = {t: i for i, t in enumerate(state["tasks"])}
+        self.subtasks = {t: i for i, t in enumerate(state["subtasks"])}
+        self._language_written = (len(self.tasks), len(self.subtasks))
+        self.stats = state["stats"]
+        self.episodes_flushed = state["total_episodes"]
+        self.frames_flushed = state["total_frames"]
+        self.next_file = state["next_file"]
+
+    def _check_appendable(self, meta) -> None:
+        """Raise unless the recording's fps and features match the dataset's; take its codec and robot."""
+        _check_simstream_recording(meta)
+        info = meta.info
         codecs = {
             entry.get("info", {}).get("video.codec")
             for entry in info["features"].values()
@@ -143,17 +185,10 @@ class DatasetWriter:
                 f"{self.root}/meta/info.json: the dataset's features do not match the recording's "
                 f"({'; '.join(differences)}); appending needs the same keys, dtypes and shapes"
             )
-        if state["total_episodes"]:
-            self._check_scalars(state["meta"])
+        if meta.episodes:
+            self._check_scalars(meta)
         if self.robot_type is None:  # a recording that does not say keeps what the dataset says
             self.robot_type = info.get("robot_type")
-        self.tasks = {t: i for i, t in enumerate(state["tasks"])}
-        self.subtasks = {t: i for i, t in enumerate(state["subtasks"])}
-        self._language_written = (len(self.tasks), len(self.subtasks))
-        self.stats = state["stats"]
-        self.episodes_flushed = state["total_episodes"]
-        self.frames_flushed = state["total_frames"]
-        self.next_file = state["next_file"]
 
     def _check_scalars(self, meta) -> None:
         """A column holds one value per frame (LeRobot's shape ``[1]``) or a list per frame: appending
@@ -186,6 +221,8 @@ class DatasetWriter:
 
     def flush(self) -> int:
         """Write the queued episodes as one group of closed files; returns how many were committed."""
+        if self._lock_fd is None:
+            raise RuntimeError(f"DatasetWriter of {self.root} is closed; open a new one to write")
         group, self._pending = self._pending, []
         if not group:
             return 0
@@ -424,6 +461,35 @@ def _png_column(arrays: list[np.ndarray]):
     )
 
 
+class DatasetInUseError(RuntimeError):
+    """Another writer (in this process or another) has the dataset folder open."""
+
+
+def _lock_folder(root: Path) -> int:
+    """An exclusive ``flock`` on the folder itself (no lock file to leave behind); the kernel drops it when
+    the holder dies, SIGKILL included."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DatasetInUseError(
+            f"{root}: another writer is recording into this dataset (a second `simstream record --out`, "
+            "`demo --record` or LeRobotRecorder on the same folder); one writer per dataset at a time"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_simstream_recording(meta) -> None:
+    if not all(k in meta.info["features"] for k in EXTRA_KEYS):
+        raise LeRobotFormatError(
+            f"{meta.root}/meta/info.json: not a simstream recording; cannot append to it"
+        )
+
+
 def repair(root: Path | str) -> dict[str, Any]:
     """Bring an interrupted dataset back to its last committed group; returns what it holds.
 
@@ -432,13 +498,23 @@ def repair(root: Path | str) -> dict[str, Any]:
 
     Raises:
         LeRobotFormatError: naming the file, when ``info.json`` is not v3.0 or an episodes file is damaged.
+        DatasetInUseError: a writer has the dataset open (its group in progress would look uncommitted).
     """
+    root = Path(root)
+    fd = _lock_folder(root)
+    try:
+        return _repair(root)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _repair(root: Path) -> dict[str, Any]:
+    """:func:`repair` for a caller that holds the folder's lock."""
     from .dataset import read_dataset_meta
 
-    root = Path(root)
     meta = read_dataset_meta(root)
-    if not all(k in meta.info["features"] for k in EXTRA_KEYS):
-        raise LeRobotFormatError(f"{root}/meta/info.json: not a simstream recording; cannot append to it")
+    _check_simstream_recording(meta)
     for tmp in root.rglob(".*.tmp"):
         tmp.unlink()
     referenced = set()
