@@ -132,3 +132,16 @@ def test_recording_engine_process_killed_from_outside(tmp_path, after_reports):
     assert reported >= 1
     committed = _check_opens_with(root, reported)
     _append_repairs(root, committed)
+
+
+def test_new_folders_are_fsynced_into_their_parents(tmp_path, monkeypatch):
+    """A file committed into a new chunk folder survives a power loss only if the folder's entry does."""
+    from simstream.lerobot import format as lerobot_format
+
+    synced = []
+    monkeypatch.setattr(lerobot_format, "fsync_dir", lambda path: synced.append(path))
+    lerobot_format.make_folders(tmp_path / "data" / "chunk-001")
+    assert (tmp_path / "data" / "chunk-001").is_dir()
+    assert synced == [tmp_path, tmp_path / "data"]
+    lerobot_format.make_folders(tmp_path / "data" / "chunk-001")  # nothing new: nothing to sync
+    assert synced == [tmp_path, tmp_path / "data"]

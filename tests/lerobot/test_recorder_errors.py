@@ -59,3 +59,16 @@ def test_start_twice(engine, tmp_path):
             recorder.start()
     finally:
         recorder.close()
+
+
+def test_a_mix_of_sources_with_different_rates_needs_an_explicit_fps(tmp_path):
+    from simstream.sources import MixSpec
+
+    mix = MixSpec([PatternSpec(fps=20), PatternSpec(fps=30)], [1.0, 1.0])
+    engine = OnlineDataEngine(OnlineDataEngineCfg(source=mix, buffer_size=2, num_workers=1))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the source spec MixSpec gives fps=None (a MixSpec does when its sources'"),
+    ):
+        LeRobotRecorder(engine, tmp_path / "ds")
+    LeRobotRecorder(engine, tmp_path / "ds", fps=20).close()

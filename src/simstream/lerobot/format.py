@@ -445,6 +445,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_folders(path: Path) -> None:
+    """``mkdir -p path``, fsyncing the parent of every folder it creates: a file committed into a new
+    chunk folder survives a power loss only if the folder's own entry does."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        fsync_dir(folder.parent)
+
+
 def commit_file(tmp: Path, path: Path) -> None:
     """fsync ``tmp``, rename it to ``path`` (atomic) and fsync the folder."""
     fd = os.open(tmp, os.O_RDONLY)
@@ -458,7 +470,7 @@ def commit_file(tmp: Path, path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` all at once: a reader sees the old file or the new, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = temp_path(path)
     with open(tmp, "wb") as f:
         f.write(data)
@@ -482,7 +494,7 @@ def write_parquet(path: Path, table) -> None:
     """
     import pyarrow.parquet as pq
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)
     tmp = temp_path(path)
     pq.write_table(table, tmp, compression="snappy", use_dictionary=_dictionary_columns(table))
     commit_file(tmp, path)

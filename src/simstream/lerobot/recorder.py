@@ -101,9 +101,13 @@ class LeRobotRecorder:
         spec = engine.cfg.source
         fps = getattr(spec, "fps", None) if fps is None else fps
         if fps is None:
-            raise ValueError(
-                f"LeRobotRecorder.fps: the source spec {type(spec).__name__} has no fps attribute; pass fps="
+            name = type(spec).__name__
+            why = (
+                "has no fps attribute"
+                if not hasattr(spec, "fps")
+                else "gives fps=None (a MixSpec does when its sources' rates differ)"
             )
+            raise ValueError(f"LeRobotRecorder.fps: the source spec {name} {why}; pass fps=")
         if type(fps) is not int or fps < 1:
             raise ValueError(f"LeRobotRecorder.fps must be an int >= 1, got {fps!r}")
         if on_full not in ("wait", "skip"):

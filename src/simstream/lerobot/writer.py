@@ -48,6 +48,7 @@ from .format import (
     image_stats,
     info_features,
     language_table,
+    make_folders,
     stats_to_json,
     temp_path,
     write_json,
@@ -122,7 +123,7 @@ class DatasetWriter:
             # the dataset's codec)
             self._check_appendable(read_dataset_meta(self.root))
         check_video_frames(self.features, self.video_codec)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_folders(self.root)
         self._lock_fd = _lock_folder(self.root)
         try:
             if (self.root / "meta" / "info.json").exists():  # again: another writer may have made it since
@@ -275,7 +276,7 @@ class DatasetWriter:
 
         os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner on every stream otherwise
         path = self.root / VIDEO_PATH.format(video_key=feature.key, chunk_index=chunk, file_index=file)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folders(path.parent)
         tmp = temp_path(path)
         _, height, width = feature.shape
         starts, count = [], 0
