@@ -476,6 +476,7 @@ class _SizeTimes(NamedTuple):
     size: int
     nbytes: int
     engine_ms: float
+    quota_ms: float
     raw_ms: float
     cold_engine_ms: float
     cold_raw_ms: float
@@ -494,6 +495,11 @@ def scaling_section(args: Args, workload: Workload) -> None:
             sized = replace(workload, buffer_size=size, image_size=None)
             engine = engines[size] = make_engine(sized, num_envs=64)
             candidates[f"{size} engine"] = _engine_candidates(engine, sized)["sample_batch"]
+            # per-episode quotas (never exhausted here): selection, copy and debit under the quota lock
+            budgeted = engines[-size] = make_engine(
+                sized, num_envs=64, episode_sample_budget=2**62, episode_sample_hard_limit=2**62
+            )
+            candidates[f"{size} quotas"] = _engine_candidates(budgeted, sized)["sample_batch"]
             candidates[f"{size} raw"] = RawGather(engine, sized)
             nbytes[size] = sum(t.numel() * t.element_size() for t in engine.shared_buffer.values(True, True))
         rates = interleaved_rates(candidates, args.rounds, args.seconds)
@@ -507,6 +513,7 @@ def scaling_section(args: Args, workload: Workload) -> None:
             "episodes",
             "buffer MiB",
             "sample_batch ms",
+            "with quotas ms",
             "raw gather ms",
             "raw / sample_batch",
             "cold cache: sample_batch ms",
@@ -518,6 +525,7 @@ def scaling_section(args: Args, workload: Workload) -> None:
             size,
             nbytes[size],
             1e3 / rates.median(f"{size} engine"),
+            1e3 / rates.median(f"{size} quotas"),
             1e3 / rates.median(f"{size} raw"),
             cold[f"{size} engine"],
             cold[f"{size} raw"],
@@ -529,6 +537,7 @@ def scaling_section(args: Args, workload: Workload) -> None:
             m.size,
             m.nbytes / 2**20,
             m.engine_ms,
+            m.quota_ms,
             m.raw_ms,
             m.raw_ms / m.engine_ms,
             m.cold_engine_ms,
@@ -552,6 +561,13 @@ def scaling_section(args: Args, workload: Workload) -> None:
         verdict = check(growth, 0.2, higher_is_better=False)
         targets.row(f"{engine_label}, {sizes}", f"{growth:+.0%}", "< +20%", verdict)
         targets.row(f"{raw_label}, {sizes}", f"{raw_growth:+.0%}", "report", "-")
+    quota_growth = ratio(last.quota_ms, first.quota_ms) - 1
+    targets.row(
+        f"sample_batch with quotas per-batch time growth, {sizes}",
+        f"{quota_growth:+.0%}",
+        "< +20%",
+        check(quota_growth, 0.2, higher_is_better=False),
+    )
     beyond = [m for m in measured if cache is not None and m.nbytes > 2 * cache]
     if len(beyond) >= 2 and beyond[0] is not first:
         low, high = beyond[0], beyond[-1]

@@ -140,6 +140,11 @@ class EpisodeQuota:
         table = self._rows[rows.to(device="cpu", dtype=torch.int64)]
         return table[..., _ASSIGNED].clamp(max=self.hard_limit) - table[..., _DELIVERED]
 
+    def remaining_of(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`remaining` for a NumPy array of rows (the sampler's per-draw test: no tensor overhead)."""
+        table = self._rows.numpy()
+        return np.minimum(table[rows, _ASSIGNED], self.hard_limit) - table[rows, _DELIVERED]
+
     def debit(self, rows: torch.Tensor) -> None:
         """Charges one delivery per occurrence in ``rows``, all or nothing.
 
@@ -160,10 +165,10 @@ class EpisodeQuota:
             raise ValueError(f"EpisodeQuota.debit rows must lie in [0, {self.num_rows})")
         if int(self._meta[_LIFETIME]) > _INT64_MAX - rows.numel():
             raise OverflowError("Lifetime sampling delivery counter would overflow int64")
-        counts = torch.bincount(rows, minlength=self.num_rows)
-        if bool((counts > self.remaining(torch.arange(self.num_rows))).any()):
+        charged, counts = np.unique(rows.numpy(), return_counts=True)  # O(batch), not O(num_rows)
+        if bool((counts > self.remaining_of(charged)).any()):
             raise RuntimeError("Sampling quota reservation exceeded its source budget")
-        self._rows[:, _DELIVERED] += counts
+        self._rows.numpy()[charged, _DELIVERED] += counts
         self._meta[_LIFETIME] += rows.numel()
 
     def draw_rows(

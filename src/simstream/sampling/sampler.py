@@ -31,11 +31,21 @@ from ..buffer.storage import TrajectoryStorage
 from ..errors import DataBudgetExhaustedError, DataUnavailableError
 from .gather import BatchGatherer, ChunkFrames
 from .keys import refuse_ambiguous_keys, select_keys
-from .windows import IndexTables, WindowSelection, candidate_rows, draw_rows, draw_starts
+from .windows import (
+    IndexTables,
+    WindowSelection,
+    candidate_rows,
+    draw_by_rejection,
+    draw_rows,
+    draw_starts,
+    rows_of_generations,
+)
 
 __all__ = ["WindowSampler"]
 
 _MAX_TORN_ROUNDS = 64
+_QUOTA_ROUNDS = 8
+"""Rounds of redrawing the draws over a row's quota before the exact scan takes over."""
 _FIRST_BACKOFF_S = 2e-4
 _MAX_BACKOFF_S = 5e-3
 FrameMap = Callable[[WindowSelection], "torch.Tensor | ChunkFrames"]
@@ -201,17 +211,10 @@ class WindowSampler:
                 self._selections[cache_key] = columns
         return columns
 
-    def _rows_of(self, generations: np.ndarray | None) -> np.ndarray | None:
-        """Bool mask of the rows holding one of ``generations`` now (``None``: every row)."""
-        if generations is None:
-            return None
-        # a copy: producers write the live table, and isin() reads its input more than once
-        return np.isin(self.index.generation.numpy().copy(), generations)
-
     def _select(self, request: _Request, count: int) -> WindowSelection:
         tables = self.tables.views()
         chunk, mode, generator = request.chunk, request.mode, request.generator
-        drawn = draw_rows(tables, count, chunk, mode, generator, self._rows_of(request.generations))
+        drawn = draw_rows(tables, count, chunk, mode, generator, request.generations)
         if drawn is None:
             raise DataUnavailableError(request.unavailable)
         return draw_starts(tables, *drawn, chunk, mode, generator)
@@ -281,28 +284,18 @@ class WindowSampler:
         self, request: _Request, out: TensorDict | None, check_failed, lock_wait_s: float
     ) -> TensorDict:
         quota = self.quota
-        batch_size, chunk, mode, generator, generations, frames, unavailable, columns = request
+        _, chunk, mode, generator, generations, frames, unavailable, columns = request
         # the lock's wait alone is bounded, and only while its holder is a stopped process: a live holder
         # (another request's long copy) is waited for, and a deadline on every check would fail a request
         # that simply took long
         with quota.lock.held(with_deadline(check_failed, lock_wait_s, "The quota lock", quota.lock)):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
-                row_filter = self._rows_of(generations)
-                filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
-                candidates = candidate_rows(self.index, chunk, mode, filter_tensor)
-                if candidates.numel() == 0:
-                    raise DataUnavailableError(unavailable)
-                # each row capped at the batch: huge budgets summed over many rows would wrap int64, and
-                # under the batch size the capped sum is the exact one the message reports
-                remaining = int(quota.remaining(candidates).clamp(0, batch_size).sum())
-                if remaining < batch_size:
-                    raise DataBudgetExhaustedError(
-                        "Eligible unlocked episode quotas cannot supply a complete batch of "
-                        f"{batch_size} chunks; remaining={remaining}."
-                    )
-                rows = quota.draw_rows(candidates, batch_size, generator=generator).numpy()
-                selection = draw_starts(tables, rows, tables.version[rows], chunk, mode, generator)
+                drawn = self._draw_within_quota(tables, request)
+                if drawn is None:  # rows with quota left are rare, or none is: the exact scan decides
+                    drawn = self._draw_within_quota_exactly(tables, request)
+                rows, versions = drawn
+                selection = draw_starts(tables, rows, versions, chunk, mode, generator)
                 batch = self.gatherer.gather(frames(selection), out, columns)
                 if self._torn(selection, generations).size:
                     continue
@@ -313,3 +306,72 @@ class WindowSampler:
         raise DataUnavailableError(
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
         )
+
+    def _draw_within_quota(
+        self, tables: IndexTables, request: _Request
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The batch's rows by rejection, in O(batch): eligible rows with quota left, none drawn more often
+        than its quota allows (a row keeps its draws up to its quota, earlier draws first, and the excess is
+        drawn again, as :meth:`EpisodeQuota.draw_rows` does). ``None`` when rejection does not settle."""
+        quota, count = self.quota, request.batch_size
+        rows, versions = np.empty(count, np.int64), np.empty(count, np.int64)
+        kept, todo = np.empty(0, np.int64), np.arange(count)
+
+        def has_quota_left(candidates: np.ndarray) -> np.ndarray:
+            return quota.remaining_of(candidates) > _occurrences(kept, candidates)
+
+        for _ in range(_QUOTA_ROUNDS):
+            drawn, drawn_versions, ok = draw_by_rejection(
+                tables, todo.size, request.chunk, request.mode, request.generator, request.generations,
+                has_quota_left,
+            )  # fmt: skip
+            if not ok.all():
+                return None
+            fits = _rank_within_value(np.concatenate([kept, drawn]))[kept.size :] < quota.remaining_of(drawn)
+            rows[todo[fits]], versions[todo[fits]] = drawn[fits], drawn_versions[fits]
+            kept, todo = np.concatenate([kept, drawn[fits]]), todo[~fits]
+            if todo.size == 0:
+                return rows, versions
+        return None
+
+    def _draw_within_quota_exactly(
+        self, tables: IndexTables, request: _Request
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's rows from the list of every eligible row with quota left (O(buffer_size)); raises
+        when there is none, or when their quotas together cannot fill the batch."""
+        quota, batch_size = self.quota, request.batch_size
+        row_filter = rows_of_generations(tables, request.generations)
+        candidates = candidate_rows(self.index, request.chunk, request.mode, row_filter)
+        if candidates.numel() == 0:
+            raise DataUnavailableError(request.unavailable)
+        # each row capped at the batch: huge budgets summed over many rows would wrap int64, and under the
+        # batch size the capped sum is the exact one the message reports
+        remaining = int(quota.remaining(candidates).clamp(0, batch_size).sum())
+        if remaining < batch_size:
+            raise DataBudgetExhaustedError(
+                "Eligible unlocked episode quotas cannot supply a complete batch of "
+                f"{batch_size} chunks; remaining={remaining}."
+            )
+        rows = quota.draw_rows(candidates, batch_size, generator=request.generator).numpy()
+        return rows, tables.version[rows]
+
+
+def _occurrences(values: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """How often each entry of ``of`` occurs in ``values``."""
+    if values.size == 0:
+        return np.zeros(of.shape, np.int64)
+    unique, counts = np.unique(values, return_counts=True)
+    at = np.minimum(np.searchsorted(unique, of), unique.size - 1)
+    return np.where(unique[at] == of, counts[at], 0)
+
+
+def _rank_within_value(values: np.ndarray) -> np.ndarray:
+    """For each entry, how many equal entries precede it (0 for the first occurrence)."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    starts = np.ones(values.size, dtype=bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    position = np.arange(values.size)
+    rank = np.empty(values.size, np.int64)
+    rank[order] = position - np.maximum.accumulate(np.where(starts, position, 0))
+    return rank

@@ -2,8 +2,11 @@
 
 Distribution (episode-uniform, as in the reference engine): a row is drawn uniformly among the rows that
 hold at least one eligible window for the request, then a start uniformly among that row's eligible
-starts. Rows are drawn by rejection from all rows first (exact, O(batch) when most rows are eligible) and
-from the explicit candidate list only for the items still rejected after a few rounds.
+starts. Rows are drawn by rejection from all rows (exact): each round draws enough rows for the items
+still missing at the acceptance rate seen so far, and takes the first accepted ones in draw order. Only
+once the draws for one request would pass a quarter of the buffer's rows (at most a few rows in a thousand
+eligible) does the explicit candidate list, a scan of every row, serve the items still missing: the scan
+costs about as much per row as a draw. Either way the call costs O(batch) unless eligible rows are rare.
 
 The arithmetic runs in NumPy on zero-copy views of the shared tables: for a batch of a few hundred items
 a NumPy operation costs about a microsecond, a torch operation several, and selection is a dozen of them.
@@ -13,6 +16,7 @@ Random numbers still come from the caller's ``torch.Generator``, so a seed repro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,9 +24,20 @@ import torch
 
 from ..buffer.index import EPISODE, SEGMENT, EligibilityIndex
 
-__all__ = ["IndexTables", "WindowSelection", "candidate_rows", "draw_rows", "draw_starts"]
+__all__ = [
+    "IndexTables",
+    "WindowSelection",
+    "candidate_rows",
+    "draw_by_rejection",
+    "draw_rows",
+    "draw_starts",
+]
 
-_REJECTION_ROUNDS = 4
+_SCAN_COST = 4
+"""A draw by rejection costs about as much as scanning this many rows for the candidate list: past
+``buffer_size / _SCAN_COST`` draws for one request, the scan is cheaper."""
+_MARGIN = 1.5
+"""Draws per round: the missing items over the acceptance rate so far, times this, plus a few."""
 _EMPTY_CONFIRMATIONS = 3
 
 
@@ -77,6 +92,7 @@ class IndexTables:
             self.first_hi = self.run_hi[:, :, 0]
             self.num_points = index.num_points.numpy()
             self.point = index.point.numpy()
+            self.generation = index.generation.numpy()
             self.buffer_size = index.buffer_size
             self._pid = os.getpid()
         return self
@@ -92,14 +108,33 @@ def uniform(count: int, generator: torch.Generator | None) -> np.ndarray:
     return torch.rand(count, generator=generator, dtype=torch.float64).numpy()
 
 
+Accept = Callable[[np.ndarray], np.ndarray]
+"""A further test of drawn rows (bool per row), e.g. that a row has sampling quota left."""
+
+
 def _eligible(
-    tables: IndexTables, rows: np.ndarray, chunk: int, mode: str, row_filter: np.ndarray | None
+    tables: IndexTables,
+    rows: np.ndarray,
+    chunk: int,
+    mode: str,
+    generations: np.ndarray | None,
+    accept: Accept | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     versions = tables.version[rows]
     ok = ((versions & 1) == 0) & (tables.longest(mode)[rows] >= chunk)
-    if row_filter is not None:
-        ok &= row_filter[rows]
+    if generations is not None:
+        ok &= np.isin(tables.generation[rows], generations)
+    if accept is not None:
+        ok &= accept(rows)
     return ok, versions
+
+
+def rows_of_generations(tables: IndexTables, generations: np.ndarray | None) -> torch.Tensor | None:
+    """Bool mask of the rows holding one of ``generations`` now (``None``: every row); O(buffer_size)."""
+    if generations is None:
+        return None
+    # a copy: producers write the live table, and isin() reads its input more than once
+    return torch.from_numpy(np.isin(tables.generation.copy(), generations))
 
 
 def candidate_rows(
@@ -121,29 +156,60 @@ def candidate_rows(
     return rows
 
 
+def draw_by_rejection(
+    tables: IndexTables,
+    count: int,
+    chunk: int,
+    mode: str,
+    generator: torch.Generator | None,
+    generations: np.ndarray | None = None,
+    accept: Accept | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Up to ``count`` rows uniform over the eligible rows (of ``generations``, passing ``accept``), drawn
+    from all rows with at most ``max(buffer_size / 4, 2 * count)`` draws.
+
+    Returns:
+        ``(rows, versions, ok)``: ``ok`` is false for the items not found within the draws.
+    """
+    size = tables.buffer_size
+    budget = max(size // _SCAN_COST, 2 * count)
+    rows = (uniform(count, generator) * size).astype(np.int64)
+    ok, versions = _eligible(tables, rows, chunk, mode, generations, accept)
+    drawn, accepted = count, int(ok.sum())
+    while True:
+        missing = np.flatnonzero(~ok)
+        if missing.size == 0:
+            break
+        wanted = int(missing.size * _MARGIN * drawn / accepted) + 8 if accepted else 2 * drawn
+        wanted = min(wanted, budget - drawn)
+        if wanted <= 0:
+            break
+        redraw = (uniform(wanted, generator) * size).astype(np.int64)
+        good, redraw_versions = _eligible(tables, redraw, chunk, mode, generations, accept)
+        drawn += wanted
+        hits = np.flatnonzero(good)
+        accepted += hits.size
+        hits = hits[: missing.size]  # the first accepted draws, in draw order: uniform over the eligible
+        targets = missing[: hits.size]
+        rows[targets], versions[targets], ok[targets] = redraw[hits], redraw_versions[hits], True
+    return rows, versions, ok
+
+
 def draw_rows(
     tables: IndexTables,
     count: int,
     chunk: int,
     mode: str,
     generator: torch.Generator | None,
-    row_filter: np.ndarray | None = None,
+    generations: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """``count`` rows uniform over eligible rows and their versions, or ``None`` if no row is eligible."""
-    size = tables.buffer_size
-    rows = (uniform(count, generator) * size).astype(np.int64)
-    ok, versions = _eligible(tables, rows, chunk, mode, row_filter)
-    for _ in range(_REJECTION_ROUNDS):
-        if ok.all():
-            return rows, versions
-        missing = np.flatnonzero(~ok)
-        redraw = (uniform(missing.size, generator) * size).astype(np.int64)
-        rows[missing] = redraw
-        ok[missing], versions[missing] = _eligible(tables, redraw, chunk, mode, row_filter)
+    """``count`` rows uniform over eligible rows (of ``generations``) and their versions, or ``None`` if no
+    row is eligible."""
+    rows, versions, ok = draw_by_rejection(tables, count, chunk, mode, generator, generations)
     missing = np.flatnonzero(~ok)
     if missing.size:
-        filter_tensor = None if row_filter is None else torch.from_numpy(row_filter)
-        candidates = candidate_rows(tables.index, chunk, mode, filter_tensor).numpy()
+        row_filter = rows_of_generations(tables, generations)
+        candidates = candidate_rows(tables.index, chunk, mode, row_filter).numpy()
         if candidates.size == 0:
             return None
         picked = candidates[(uniform(missing.size, generator) * candidates.size).astype(np.int64)]
