@@ -275,6 +275,13 @@ def test_sampling_argument_errors():
         with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got True"):
             engine.sample_batch_with_context(True, 2, 2)
         assert engine.sample_batch(np.int64(3), np.int32(2)).batch_size == torch.Size([3, 2])
+        for bad in ("seed", 0, np.random.default_rng(0)):
+            with pytest.raises(
+                ValueError, match=r"generator must be a torch.Generator on the CPU or None, got "
+            ):
+                engine.sample_batch(2, 2, generator=bad)
+            with pytest.raises(ValueError, match=r"generator must be a torch.Generator on the CPU or None"):
+                engine.sample_batch_with_context(2, 2, 1, generator=bad)
         # a batch larger than the machine's memory is refused before anything is drawn
         memory, per_frame = physical_memory(), engine._sampler.gatherer._all_frame_bytes
         generator = torch.Generator().manual_seed(5)

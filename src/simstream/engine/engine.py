@@ -211,6 +211,7 @@ class OnlineDataEngine(EngineLifecycle):
         self._check_ready("sample_batch")
         steps = self.max_episode_steps
         batch_size, chunk_size = _count("batch_size", batch_size), _count("chunk_size", chunk_size)
+        _check_generator(generator)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
         if chunk_size > steps:
@@ -289,6 +290,7 @@ class OnlineDataEngine(EngineLifecycle):
             raise ValueError("generations must be a nonempty tuple of positive integers")
         self._check_ready("sample_batch")
         batch_size = _count("batch_size", batch_size)
+        _check_generator(generator)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
         if generations is not None and not self.cfg.include_provenance:
@@ -505,6 +507,18 @@ class OnlineDataEngine(EngineLifecycle):
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not reaped yet, does not)."""
     return process_state(pid) not in (None, "Z", "X")
+
+
+def _check_generator(generator: object) -> None:
+    """Draws come from ``torch.rand`` on the CPU: anything but a CPU ``torch.Generator`` or ``None`` failed
+    there, with torch's message, which names no argument."""
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
+        device = f" on {generator.device}" if isinstance(generator, torch.Generator) else ""
+        raise ValueError(
+            f"generator must be a torch.Generator on the CPU or None, got {generator!r}{device}."
+        )
 
 
 def _count(name: str, value: object) -> int:
