@@ -327,7 +327,11 @@ class WindowSampler:
             )  # fmt: skip
             if not ok.all():
                 return None
-            fits = _rank_within_value(np.concatenate([kept, drawn]))[kept.size :] < quota.remaining_of(drawn)
+            left = quota.remaining_of(drawn)
+            if kept.size == 0 and int(left.min()) >= drawn.size:  # no row can be drawn past its quota
+                fits = np.ones(drawn.size, dtype=bool)
+            else:
+                fits = _rank_within_value(np.concatenate([kept, drawn]))[kept.size :] < left
             rows[todo[fits]], versions[todo[fits]] = drawn[fits], drawn_versions[fits]
             kept, todo = np.concatenate([kept, drawn[fits]]), todo[~fits]
             if todo.size == 0:
