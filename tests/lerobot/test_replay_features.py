@@ -249,3 +249,53 @@ def test_published_episodes_that_ended_truncated_are_recorded_as_successes_and_r
     meta = read_dataset_meta(tmp_path / "finished")
     assert len(meta.episodes) == 4 and not any(ep["truncated"] for ep in meta.episodes)
     assert recorder.episodes_filtered >= 3  # every other episode; the 4th kept is the 7th or later
+
+
+@pytest.mark.parametrize("cache_bytes", [256 * 2**20, 1])
+def test_episodes_read_from_row_groups_in_any_order(tmp_path, monkeypatch, cache_bytes):
+    """LeRobot's data files hold many episodes in many row groups: a read decodes only the groups that
+    hold its episode (an episode may straddle two), and keeps decoded groups up to a byte bound."""
+    import pyarrow.parquet as pq
+
+    from simstream.lerobot import dataset
+
+    monkeypatch.setattr(dataset, "_CACHE_BYTES", cache_bytes)
+    root = _dataset(tmp_path / "ds", episodes=12)
+    data = root / "data" / "chunk-000" / "file-000.parquet"
+    pq.write_table(pq.read_table(data), data, row_group_size=7)  # 7 does not divide any episode length
+    assert pq.ParquetFile(data).metadata.num_row_groups > 12
+    source = LeRobotSpec(root).build(0, 0)
+    try:
+        for tag in np.random.default_rng(0).permutation(12).tolist():
+            read = source.reader.read(tag)
+            length = 12 + tag % 7
+            t = np.arange(length, dtype=np.float32)
+            np.testing.assert_array_equal(
+                read.frames["obs/state"], np.stack([t * 0 + tag, t, t / 10, -tag + t * 0], 1)
+            )
+            np.testing.assert_array_equal(read.frames["actions"], np.stack([t, -t], 1))
+            assert len(read.task_index) == length
+            assert source.reader._cached_bytes <= max(cache_bytes, max(source.reader._group_bytes.values()))
+        if cache_bytes == 1:
+            assert len(source.reader._groups) == 1  # the last read's groups only
+    finally:
+        source.close()
+    assert source.reader._files == {} and source.reader._cached_bytes == 0
+
+
+def test_frames_past_the_row_capacity_are_not_read(tmp_path):
+    root = _dataset(tmp_path / "ds", episodes=2, image_size=16)
+    spec = LeRobotSpec(root, max_episode_steps=5)
+    source = spec.build(0, 0)
+    try:
+        read = source.reader.read(1, limit=5)
+        assert read.frames["obs/image"].shape == (5, 3, 16, 16) and len(read.task_index) == 5
+        np.testing.assert_array_equal(read.frames["actions"][:, 0], np.arange(5, dtype=np.float32))
+    finally:
+        source.close()
+    cfg = OnlineDataEngineCfg(source=spec, buffer_size=2, num_workers=1)
+    with OnlineDataEngine(cfg) as engine:
+        batch = engine.sample_batch(4, 5)
+        assert bool(batch["valid"].all()) and bool((batch["actions"][:, :, 0] == torch.arange(5.0)).all())
+        stats = engine.get_stats()
+    assert stats["successful_episodes"] >= 2

@@ -40,6 +40,10 @@ _EPISODE_COLUMNS = (
 """Columns of ``meta/episodes/*/*.parquet`` that reading an episode needs (and each video key's three)."""
 _OPEN_VIDEOS_PER_CAMERA = 4
 """Video files an :class:`EpisodeReader` keeps open per camera (each holds a file descriptor)."""
+_OPEN_DATA_FILES = 8
+"""Data files an :class:`EpisodeReader` keeps open, with their ``index`` columns."""
+_CACHE_BYTES = 256 * 2**20
+"""Decoded row groups a reader keeps: a replayed dataset of that size is read from its files once."""
 
 
 @dataclass
@@ -85,13 +89,17 @@ class DatasetMeta:
         )
 
 
-def _read_table(path: Path, columns: list[str] | None = None):
+def _read_table(path: Path, columns: list[str] | None = None, *, skip_prefix: str | None = None):
+    """The parquet file's ``columns`` (all: ``None``), leaving out those named ``skip_prefix...``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if not path.is_file():
         raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
     try:
+        if skip_prefix is not None:
+            names = columns if columns is not None else pq.read_schema(path).names
+            columns = [name for name in names if not name.startswith(skip_prefix)]
         return pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as error:
         raise LeRobotFormatError(
@@ -111,8 +119,9 @@ def _language(path: Path, index_name: str, text_name: str, required: bool) -> li
     return [texts[i] for i in order]
 
 
-def read_dataset_meta(root: Path | str) -> DatasetMeta:
-    """Read and check ``meta/`` of the dataset at ``root``.
+def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
+    """Read and check ``meta/`` of the dataset at ``root``; ``stats=False`` leaves out the episodes'
+    ``stats/...`` columns (most of the metadata, and most of its reading time: a replay needs none).
 
     Raises:
         LeRobotFormatError: naming the file: no ``meta/info.json``, not v3.0, a damaged parquet file, or
@@ -150,7 +159,7 @@ def read_dataset_meta(root: Path | str) -> DatasetMeta:
     episodes: list[dict[str, Any]] = []
     folder = root / "meta" / "episodes"
     for path in sorted(folder.glob("chunk-*/file-*.parquet")) if folder.exists() else []:
-        table = _read_table(path)
+        table = _read_table(path, skip_prefix=None if stats else "stats/")
         missing = [name for name in required if name not in table.column_names]
         if missing:
             raise LeRobotFormatError(f"{path}: has no column(s) {missing} that every episode needs")
@@ -177,6 +186,20 @@ def read_dataset_meta(root: Path | str) -> DatasetMeta:
 
 
 @dataclass
+class _DataFile:
+    """An open data file of the dataset, as :class:`EpisodeReader` keeps it."""
+
+    handle: Any
+    """``pyarrow.parquet.ParquetFile``."""
+    index: np.ndarray
+    """The ``index`` column: where each episode's frames sit in the file."""
+    starts: np.ndarray
+    """First row of each row group, then the row count."""
+    wanted: list[str]
+    """Columns read."""
+
+
+@dataclass
 class EpisodeFrames:
     """One episode read back: payload by field name and its per-frame language columns."""
 
@@ -187,38 +210,87 @@ class EpisodeFrames:
 
 
 class EpisodeReader:
-    """Reads episodes of one dataset; caches the last data file and keeps video files open.
+    """Reads episodes of one dataset; keeps video files and parquet files open.
 
-    Owns open PyAV containers (close with :meth:`close`).
+    Reads only the row groups of a data file that hold the episode, and keeps decoded row groups up to
+    :data:`_CACHE_BYTES` (least recently used first): a replay draws episodes in random order, and a whole
+    data file decoded per episode (LeRobot's hold up to 100 MB, many episodes each) made every read as slow
+    as the file is large. Owns open PyAV containers and parquet files (close with :meth:`close`).
     """
 
     def __init__(self, meta: DatasetMeta, features: list[Feature]) -> None:
         self.meta = meta
         self.features = features
-        self._table: tuple[Path, dict[str, Any]] | None = None
+        self._files: OrderedDict[Path, _DataFile] = OrderedDict()
+        self._groups: OrderedDict[tuple[Path, int, int], dict[str, Any]] = OrderedDict()
+        self._group_bytes: dict[tuple[Path, int, int], int] = {}
+        self._cached_bytes = 0
         self._containers: OrderedDict[Path, Any] = OrderedDict()
         """Open video files, least recently used first: a dataset holds one file per camera per recorded
         group, thousands in a long recording, more than a process may keep open."""
         self._open_videos = _OPEN_VIDEOS_PER_CAMERA * max(1, sum(f.dtype == "video" for f in features))
 
-    def _columns(self, path: Path) -> dict[str, Any]:
-        if self._table is not None and self._table[0] == path:
-            return self._table[1]
-        wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
+    def _file(self, path: Path) -> _DataFile:
+        """The open data file, its ``index`` column and where its row groups start (kept, LRU)."""
+        known = self._files.get(path)
+        if known is not None:
+            self._files.move_to_end(path)
+            return known
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        if not path.is_file():
+            raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
         try:
-            names = set(pq.read_schema(path).names) if path.is_file() else set()
-        except Exception as error:
+            handle = pq.ParquetFile(path)
+            names = set(handle.schema_arrow.names)
+            wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
+            wanted += [k for k in ("subtask_index", "segment_id") if k in names]
+            missing = [k for k in wanted if k not in names]
+            if missing:
+                raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
+            index = handle.read(columns=["index"]).column("index").to_numpy()
+        except (pa.ArrowInvalid, OSError) as error:
             raise LeRobotFormatError(
                 f"{path}: not a readable parquet file (truncated or damaged?): {error}"
             ) from error
-        wanted += [k for k in ("subtask_index", "segment_id") if k in names]
-        missing = [k for k in wanted if names and k not in names]
-        if missing:
-            raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
-        table = _read_table(path, wanted)
+        rows = [handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        known = self._files[path] = _DataFile(handle, index, starts, wanted)
+        while len(self._files) > _OPEN_DATA_FILES:
+            self._files.popitem(last=False)[1].handle.close()
+        return known
+
+    def _rows(self, path: Path, data: _DataFile, lo: int, hi: int) -> tuple[dict[str, Any], int]:
+        """Decoded columns of the row groups holding rows ``[lo, hi)``, and the first row they hold."""
+        first = int(np.searchsorted(data.starts, lo, side="right")) - 1
+        last = int(np.searchsorted(data.starts, hi - 1, side="right")) - 1
+        key = (path, first, last)
+        columns = self._groups.get(key)
+        if columns is not None:
+            self._groups.move_to_end(key)
+            return columns, int(data.starts[first])
+        import pyarrow as pa
+
+        try:
+            table = data.handle.read_row_groups(range(first, last + 1), columns=data.wanted)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise LeRobotFormatError(
+                f"{path}: not a readable parquet file (truncated or damaged?): {error}"
+            ) from error
+        columns = self._convert(table, path)
+        size = sum(len(b) for v in columns.values() if isinstance(v, list) for b in v)
+        size += sum(v.nbytes for v in columns.values() if isinstance(v, np.ndarray))
+        self._groups[key], self._group_bytes[key] = columns, size
+        self._cached_bytes += size
+        while self._cached_bytes > _CACHE_BYTES and len(self._groups) > 1:
+            old, _ = self._groups.popitem(last=False)
+            self._cached_bytes -= self._group_bytes.pop(old)
+        return columns, int(data.starts[first])
+
+    def _convert(self, table: Any, path: Path) -> dict[str, Any]:
+        import pyarrow as pa
+
         columns: dict[str, Any] = {}
         for f in self.features:
             if f.dtype == "video":
@@ -235,34 +307,35 @@ class EpisodeReader:
                 while pa.types.is_nested(values.type):  # a list per frame, of lists for a feature of 2+ dims
                     values = values.flatten()
                 columns[f.key] = _per_frame(values.to_numpy(zero_copy_only=False), len(column), f, path)
-        for key in ("index", "task_index", "subtask_index", "segment_id"):
+        for key in ("task_index", "subtask_index", "segment_id"):
             if key in table.column_names:
                 columns[key] = table.column(key).to_numpy()
-        self._table = (path, columns)
         return columns
 
-    def read(self, episode_index: int) -> EpisodeFrames:
-        """Every payload frame of one episode."""
+    def read(self, episode_index: int, limit: int | None = None) -> EpisodeFrames:
+        """The payload frames of one episode: every frame, or its first ``limit``."""
         ep = self.meta.episodes[episode_index]
         path = self.meta.data_path(ep)
-        columns = self._columns(path)
-        hits = np.flatnonzero(columns["index"] == ep["dataset_from_index"])
+        data = self._file(path)
+        hits = np.flatnonzero(data.index == ep["dataset_from_index"])
         length = int(ep["length"])
-        if len(hits) != 1 or hits[0] + length > len(columns["index"]):
+        if len(hits) != 1 or hits[0] + length > len(data.index):
             raise LeRobotFormatError(f"{path}: does not hold the {length} frames of episode {episode_index}")
-        lo = int(hits[0])
+        count = length if limit is None else min(length, limit)
+        columns, offset = self._rows(path, data, int(hits[0]), int(hits[0]) + count)
+        lo = int(hits[0]) - offset
         frames: dict[str, np.ndarray] = {}
         for f in self.features:
             if f.dtype == "video":
-                frames[f.field] = self._decode(ep, f, length)
+                frames[f.field] = self._decode(ep, f, count)
             elif f.dtype == "image":
-                frames[f.field] = np.stack([_png(b, f, path) for b in columns[f.key][lo : lo + length]])
+                frames[f.field] = np.stack([_png(b, f, path) for b in columns[f.key][lo : lo + count]])
             else:
-                frames[f.field] = columns[f.key][lo : lo + length]
+                frames[f.field] = columns[f.key][lo : lo + count]
         extra = {
-            k: columns[k][lo : lo + length] if k in columns else None for k in ("subtask_index", "segment_id")
+            k: columns[k][lo : lo + count] if k in columns else None for k in ("subtask_index", "segment_id")
         }
-        task_index = columns["task_index"][lo : lo + length]
+        task_index = columns["task_index"][lo : lo + count]
         _check_indices(task_index, len(self.meta.tasks), "task_index", "tasks.parquet", path, episode_index)
         if extra["subtask_index"] is not None and extra["segment_id"] is not None and self.meta.subtasks:
             named = extra["subtask_index"][extra["segment_id"] >= 0]  # frames outside a segment name none
@@ -323,6 +396,12 @@ class EpisodeReader:
         for container in self._containers.values():
             container.close()
         self._containers.clear()
+        for data in self._files.values():
+            data.handle.close()
+        self._files.clear()
+        self._groups.clear()
+        self._group_bytes.clear()
+        self._cached_bytes = 0
 
 
 def _per_frame(values: np.ndarray, frames: int, feature: Feature, path: Path) -> np.ndarray:

@@ -62,7 +62,7 @@ class LeRobotSpec:
 
         if type(self.num_envs) is not int or self.num_envs < 1:
             raise ValueError(f"LeRobotSpec.num_envs must be an int >= 1, got {self.num_envs!r}")
-        meta = read_dataset_meta(self.root)
+        meta = read_dataset_meta(self.root, stats=False)
         if not meta.episodes:
             raise ValueError(f"LeRobotSpec.root: {meta.root} holds no episode")
         key_map = KeyMap(self.key_map)
@@ -120,7 +120,9 @@ class LeRobotSpec:
     def build(self, worker_index: int, seed: int) -> LeRobotEpisodeSource:
         from .dataset import read_dataset_meta
 
-        return LeRobotEpisodeSource(self, read_dataset_meta(self.root), list(self._features), seed)
+        return LeRobotEpisodeSource(
+            self, read_dataset_meta(self.root, stats=False), list(self._features), seed
+        )
 
 
 class LeRobotEpisodeSource:
@@ -153,8 +155,8 @@ class LeRobotEpisodeSource:
             if should_stop():
                 return None
             index = self._next()
-            read = self.reader.read(index)
-            length = min(len(read.task_index), capacity)
+            read = self.reader.read(index, limit=capacity)  # frames past the row's capacity stay unread
+            length = len(read.task_index)
             for name, values in read.frames.items():
                 target = rows.get(tuple(name.split("/")))
                 view = target[row, :length]
@@ -166,7 +168,7 @@ class LeRobotEpisodeSource:
         ep = self.meta.episodes[index]
         tasks = self.meta.tasks
         instruction = tasks[int(read.task_index[0])] if length else None
-        truncated = bool(ep.get("truncated", False)) or length < len(read.task_index)
+        truncated = bool(ep.get("truncated", False)) or length < int(ep["length"])
         terminated = bool(ep.get("terminated", False)) and not truncated
         if read.segment_id is not None and read.subtask_index is not None and self.meta.subtasks:
             segments = _recorded_segments(read, length, ep.get("segment_accepted") or [], self.meta.subtasks)
