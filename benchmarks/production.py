@@ -26,7 +26,7 @@ import torch
 import tyro
 from tensordict import TensorDict
 
-from _timing import Rates, Table, check, print_header, ratio, set_single_thread
+from _timing import Rates, Table, check, print_header, ratio, require_positive, set_single_thread
 from _workload import ContinuousPublication, Workload, make_engine, synthetic_spec
 
 
@@ -50,6 +50,18 @@ class Args:
     """Measurement time per candidate per round."""
     nan_check: bool = False
     """Also run the first worker count with ``check_unwritten_frames=False``: the check's cost."""
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            "work_us_per_step",
+            "max_steps",
+            "num_envs",
+            "rows_per_worker",
+            "workers",
+            "rounds",
+            "seconds",
+        )
 
     def effective(self) -> Args:
         if not self.quick:

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import tyro
 
-from _timing import pin_process, process_cpu_seconds
+from _timing import pin_process, process_cpu_seconds, require_positive
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ class Args:
     flush_every: int | None = None
     """The recorder's episodes per group of files; default: what each command uses (``simstream record``:
     the recorder's default, 32; ``demo --record``, the sampling section: ``TRAINING_FLUSH_EVERY``, 8)."""
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self, "seconds", "rounds", "workers", "sampling_seconds", "sampling_rounds", "flush_every"
+        )
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch
 import tyro
 
-from _timing import Table, print_header
+from _timing import Table, print_header, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.config import Mode
 
@@ -37,6 +37,9 @@ class Args:
     out: str = "runs/bench-hopper"
     quick: bool = False
     """A smoke run: 30 s per mode."""
+
+    def __post_init__(self) -> None:
+        require_positive(self, "seconds")
 
 
 def _run(args: Args, mode: str) -> tuple[list[dict[str, float]], dict]:

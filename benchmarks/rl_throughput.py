@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import tyro
 
-from _timing import Table, print_header, ratio
+from _timing import Table, print_header, ratio, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.collector import describe_env
 from simstream.rl.learner import APPOLearner
@@ -53,6 +53,19 @@ class Args:
     rounds: int = 3
     quick: bool = False
     """A smoke run: 1 round of 6 measured updates."""
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            "num_envs",
+            "steps_per_rollout",
+            "num_epochs",
+            "minibatch_size",
+            "hidden_sizes",
+            "warmup_iterations",
+            "iterations",
+            "rounds",
+        )
 
 
 def _config(args: Args, mode: str = "async") -> APPOConfig:

@@ -39,6 +39,7 @@ from _timing import (
     print_header,
     process_cpu_seconds,
     ratio,
+    require_positive,
 )
 from _timing import set_single_thread as _set_single_thread
 from _workload import (
@@ -82,6 +83,22 @@ class Args:
     """Episodes in the buffer of the ``keys`` section (three 64x64 cameras: 36 KiB per frame)."""
     keys_batch_size: int = 64
     """Chunks per batch in the ``keys`` section."""
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            "buffer_size",
+            "max_steps",
+            "batch_size",
+            "chunk_size",
+            "image_size",
+            "rounds",
+            "seconds",
+            "scaling_sizes",
+            "loader_workers",
+            "keys_buffer_size",
+            "keys_batch_size",
+        )
 
     def round_seconds(self, workload: Workload) -> float:
         """Time per candidate per round: image batches are ~30x slower, so they get twice as long."""

@@ -135,6 +135,25 @@ def test_bench_command_lists_the_benchmarks(capsys):
     assert exit_info.value.code != 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["production", "--workers", "0"], "--workers must be one or more numbers > 0, got (0,)"),
+        (["production", "--quick", "--workers"], "--workers must be one or more numbers > 0, got ()"),
+        (["sampling", "--seconds", "-1"], "--seconds must be a number > 0, got -1.0"),
+        (["recording", "--rounds", "0"], "--rounds must be a number > 0, got 0"),
+    ],
+)
+def test_bench_refuses_flags_out_of_range_before_running(capsys, argv, message):
+    """They crashed with tracebacks (ZeroDivisionError; IndexError after the whole run) or printed n/a."""
+    from simstream.cli import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split()).replace("│ ", "")
+
+
 # -- output arenas: a batch is never overwritten while anything of it is alive -----------------------
 @pytest.fixture
 def harness() -> Harness:

@@ -2,9 +2,10 @@
 
 Each benchmark is a script ``benchmarks/<name>.py`` exposing an ``Args`` dataclass (its flags) and
 ``run(args) -> int``. This command parses the flags with tyro, so ``simstream bench <name> --help`` lists
-them, then runs the script in a fresh interpreter with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP reads it once,
-at start-up) so that figures match ``python benchmarks/<name>.py``. The benchmarks live in the source
-checkout, not in the installed package.
+them and a flag out of range is refused before anything runs, then replaces itself with the script in a
+fresh interpreter (``exec``) with ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP reads it once, at start-up) so that
+figures match ``python benchmarks/<name>.py``. The benchmarks live in the source checkout, not in the
+installed package.
 
 Examples:
     simstream bench sampling --quick
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,9 +72,17 @@ def main(argv: list[str]) -> int:
         print(f"simstream bench: no runnable benchmark in {directory}", file=sys.stderr)
         return 2
     commands = {name: args_type for name, (_, args_type) in benchmarks.items()}
-    tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="simstream bench")  # validates; --help
+    try:  # validates every flag (each Args checks its ranges); --help
+        tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="simstream bench")
+    except ValueError as error:
+        print(f"simstream bench: {error}", file=sys.stderr)
+        return 2
     name = argv[0]
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    completed = subprocess.run([sys.executable, str(benchmarks[name][0]), *argv[1:]], env=env, check=False)
-    return completed.returncode
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the benchmark replaces this process: Ctrl-C and SIGTERM reach it alone, its exit code is ours, and
+    # no parent is left to be killed while the benchmark's engines run on as orphans
+    os.execve(sys.executable, [sys.executable, str(benchmarks[name][0]), *argv[1:]], env)
+    return 1  # not reached

@@ -15,7 +15,7 @@ COMMANDS: dict[str, str] = {
     "demo": "stream expert episodes, train a behaviour-cloning policy live, evaluate it, write a report",
     "eval": "re-evaluate a demo checkpoint in simulation (optionally save a GIF/MP4)",
     "inspect": "show a task's episodes, segments, instructions and camera frames",
-    "stream": "start an engine on a built-in task and print sampling throughput",
+    "stream": "start an engine (synthetic source or a built-in task) and print sampling throughput",
     "rl": "asynchronous PPO on a gymnasium MuJoCo task",
     "bench": "run the streaming benchmarks",
     "record": "record a task's expert episodes into a LeRobot v3.0 dataset",
@@ -35,12 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from simstream import __version__
+
+        print(f"simstream {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"simstream: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"simstream.cli.{command}")
-    return int(module.main(rest) or 0)
+    try:  # each command reports a Ctrl-C in its work; this one lands in its imports (torch: seconds)
+        module = importlib.import_module(f"simstream.cli.{command}")
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        print(f"\nsimstream {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
