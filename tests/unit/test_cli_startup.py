@@ -1,0 +1,58 @@
+"""The console script starts without torch, and a Ctrl-C while a command imports it is one line, not a
+traceback from inside torch's import (which takes seconds)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_importing_the_package_and_the_console_script_does_not_import_torch():
+    code = (
+        "import sys, simstream, simstream.cli.main\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert {'OnlineDataEngine', 'Field', 'SourceSpec'} <= set(dir(simstream))\n"
+        "from simstream import Field, OnlineDataEngine\n"
+        "assert OnlineDataEngine.__module__ == 'simstream.engine.engine' and 'torch' in sys.modules\n"
+        "assert simstream.Field is Field\n"
+        "try:\n"
+        "    simstream.NoSuchName\n"
+        "except AttributeError as error:\n"
+        "    assert \"module 'simstream' has no attribute 'NoSuchName'\" in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_version(capsys):
+    from simstream import __version__
+    from simstream.cli.main import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"simstream {__version__}\n"
+
+
+def test_a_ctrl_c_while_a_command_is_imported_is_one_line(monkeypatch, capsys):
+    """Forced: a real Ctrl-C lands in the import only if it comes within its first seconds."""
+    from simstream.cli import main as cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli.main(["stream", "--seconds", "1"]) == 130
+    assert capsys.readouterr().err == "\nsimstream stream: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"]])
+def test_usage_lists_every_command(capsys, argv):
+    from simstream.cli.main import COMMANDS, main
+
+    assert main(argv) == (0 if argv else 2)
+    out = capsys.readouterr().out
+    assert all(f"  {name:<8} " in out for name in COMMANDS)
+    assert "synthetic source or a built-in task" in out
