@@ -118,6 +118,10 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
         ),
         (["--dataset", "/nonexistent/simstream-dataset"], "no such dataset folder"),
         (
+            ["--batch-size", "100000000"],
+            "DemoConfig.batch_size=100000000 needs ",
+        ),  # refused once training ran
+        (
             ["--record", "/proc/simstream-dataset"],
             "DemoConfig.record cannot be written: '/proc/simstream-dataset' "
             "(creating a folder in '/proc' failed",
@@ -128,6 +132,39 @@ def test_demo_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, 
     assert simstream(["demo", "--quick", "--runs-dir", str(tmp_path / "runs"), *options]) == 2
     assert message in _one_line(capsys.readouterr().err)
     assert not (tmp_path / "runs").exists()
+
+
+def test_demo_refuses_to_record_into_a_folder_holding_other_files(tmp_path, capsys):
+    """``simstream record`` refused such a folder; ``demo --record`` wrote its dataset beside the files."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert simstream(["demo", "--quick", "--runs-dir", str(tmp_path / "runs"), "--record", str(taken)]) == 2
+    assert f"DemoConfig.record: {taken} exists and is not a LeRobot dataset" in _one_line(
+        capsys.readouterr().err
+    )
+    assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "vision", "quick"),
+    [
+        (["--vision"], True, False),
+        (["--vision", "--no-vision"], False, False),
+        (["--no-vision", "--vision", "--quick"], True, True),
+        (["--quick", "--no-quick"], False, False),
+    ],
+)
+def test_the_last_of_a_switch_and_its_negation_decides_the_preset(argv, vision, quick):
+    """``--vision --no-vision`` ran a state policy with every vision default (an EMA of 0.9995 and more)."""
+    from simstream.bc import DemoConfig
+    from simstream.cli.demo import parse_demo_args
+
+    cfg = parse_demo_args(argv)
+    expected = DemoConfig().with_vision() if vision else DemoConfig()
+    expected = expected.with_quick() if quick else expected
+    assert cfg == expected
 
 
 @pytest.mark.parametrize(

@@ -152,12 +152,31 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     engine_cfg = engine_config(cfg)
     layout = engine_cfg.validate()
     check_shared_memory(engine_cfg, layout)
+    _check_batch_fits(cfg, layout)
     if cfg.dataset is not None:
         check_dataset_task(engine_cfg.source, cfg.task)
     if cfg.record is not None:
         require_writable("DemoConfig", "record", cfg.record, folder=True)
         check_record_target(engine_cfg.source, cfg.record)
     return engine_cfg
+
+
+def _check_batch_fits(cfg: DemoConfig, layout: Any) -> None:
+    """One batch of contexts must fit this machine's memory (``sample_batch_with_context`` refuses it too,
+    but only once the producers run and training has begun)."""
+    import math
+
+    from simstream.sampling.gather import physical_memory
+
+    frame = sum(math.prod(f.shape) * f.dtype.itemsize for f in layout.fields.values())
+    per_item = (cfg.history + cfg.horizon - 1) * max(frame, 1)
+    memory = physical_memory()
+    if cfg.batch_size * per_item > memory:
+        raise ValueError(
+            f"DemoConfig.batch_size={cfg.batch_size} needs {cfg.batch_size * per_item / 2**30:.1f} GiB for "
+            f"one batch of contexts, more than this machine's {memory / 2**30:.1f} GiB of memory: it can be "
+            f"at most {memory // per_item} here"
+        )
 
 
 def _new_run_name(runs: Path) -> str:

@@ -80,13 +80,12 @@ def check_record_target(source: Any, root: Any) -> None:
     Raises:
         ValueError: naming the dataset file and what does not match.
     """
-    from pathlib import Path
 
     from simstream.lerobot.format import features_from_fields
     from simstream.lerobot.names import KeyMap
-    from simstream.lerobot.writer import DatasetWriter
+    from simstream.lerobot.writer import DatasetWriter, check_dataset_folder
 
-    if not (Path(root) / "meta" / "info.json").exists():
+    if not check_dataset_folder(root, "DemoConfig.record"):
         return
     features = features_from_fields(dict(source.fields()), KeyMap(None), True)
     DatasetWriter(root, features, source.fps).close()  # repairs an interrupted dataset, as the recorder would

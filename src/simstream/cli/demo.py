@@ -6,27 +6,22 @@ producers are stopped first), 1 any other failure (a producer's error, printed w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._report import exit_code
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from simstream.bc import DemoConfig
+
+__all__ = ["main", "parse_demo_args"]
 
 
 def main(argv: list[str]) -> int:
     """Parse the flags of :class:`~simstream.bc.DemoConfig` and run the demo; returns the exit code."""
-    import tyro
-
-    from simstream.bc import DemoConfig
-
     parsed: list[DemoConfig] = []
 
-    def parse() -> None:
-        # --vision and --quick change the defaults (in that order); flags given next to them still win.
-        default = DemoConfig().with_vision() if "--vision" in argv else DemoConfig()
-        default = default.with_quick() if "--quick" in argv else default
-        parsed.append(tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo"))
-
     def parse_and_check() -> None:
-        parse()
+        parsed.append(parse_demo_args(argv))
         if parsed:  # not --help: the engine's settings and /dev/shm, before a run folder exists
             from simstream.bc.demo import check_demo_setup
 
@@ -38,6 +33,30 @@ def main(argv: list[str]) -> int:
     # from here on a ValueError is a failure of the run, not a bad option
     interrupted = "interrupted; the producers are stopped"
     return exit_code("simstream demo", lambda: _run(parsed[0]), bad_options=(), interrupted=interrupted)
+
+
+def parse_demo_args(argv: list[str]) -> DemoConfig:
+    """The demo's config from its flags: ``--vision`` and ``--quick`` change the defaults (in that order),
+    and flags given next to them still win."""
+    import tyro
+
+    from simstream.bc import DemoConfig
+
+    default = DemoConfig().with_vision() if _switch(argv, "vision") else DemoConfig()
+    default = default.with_quick() if _switch(argv, "quick") else default
+    return tyro.cli(DemoConfig, args=argv, default=default, prog="simstream demo")
+
+
+def _switch(argv: list[str], name: str) -> bool:
+    """The value of the switch ``--name`` / ``--no-name`` as the parser reads it: the last one given wins
+    (``--vision --no-vision`` is a state run, with the state run's defaults)."""
+    value = False
+    for arg in argv:
+        if arg == f"--{name}":
+            value = True
+        elif arg == f"--no-{name}":
+            value = False
+    return value
 
 
 def _run(cfg) -> None:

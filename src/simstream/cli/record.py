@@ -105,13 +105,11 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
 
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
     from simstream.lerobot import KeyMap, LeRobotRecorder
+    from simstream.lerobot.writer import check_dataset_folder
     from simstream.tasks import make_source
 
     out = Path(args.out)
-    if out.exists() and (
-        not out.is_dir() or (any(out.iterdir()) and not (out / "meta" / "info.json").exists())
-    ):
-        raise ValueError(f"--out {out} exists and is not a LeRobot dataset; choose a new or empty folder")
+    check_dataset_folder(out, "--out")
     key_map = KeyMap.parse(args.key_map).overrides
     source = make_source(
         args.task, num_envs=1, image_size=args.image_size, max_episode_steps=args.max_episode_steps

@@ -55,7 +55,7 @@ from .format import (
     write_parquet,
 )
 
-__all__ = ["DatasetInUseError", "DatasetWriter", "EpisodeRecord", "repair"]
+__all__ = ["DatasetInUseError", "DatasetWriter", "EpisodeRecord", "check_dataset_folder", "repair"]
 
 
 @dataclass
@@ -460,6 +460,21 @@ def _png_column(arrays: list[np.ndarray]):
         [pa.array(encoded, pa.binary()), pa.array([None] * len(encoded), pa.string())],
         names=["bytes", "path"],
     )
+
+
+def check_dataset_folder(root: Path | str, what: str) -> bool:
+    """Whether ``root`` holds a dataset (to append to); ``False`` for a new or empty folder.
+
+    Raises:
+        ValueError: naming ``what`` (the option), when ``root`` is a file or a folder holding other files:
+            a recording would mix its dataset with them.
+    """
+    root = Path(root)
+    if (root / "meta" / "info.json").is_file():
+        return True
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ValueError(f"{what}: {root} exists and is not a LeRobot dataset; choose a new or empty folder")
+    return False
 
 
 class DatasetInUseError(RuntimeError):
