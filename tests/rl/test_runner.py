@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from simstream.rl import APPOConfig, APPORunner, RunnerConfig
+from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, RunnerConfig
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
 from tests.support.processes import wait_for_exit
@@ -477,6 +477,13 @@ def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path)
         (["--num-envs", "0"], "num_envs must be"),
         (["--gamma", "1.5"], "APPOConfig.gamma must be a number in [0, 1], got 1.5 (option --gamma)"),
         (["--runner.hang-timeout-s", "0"], "RunnerConfig.hang_timeout_s must be a number in (0, 1e6]"),
+        (["--name", ".."], "--name must be a folder name without '/', got '..'"),
+        (["--name", ""], "--name must be a folder name without '/', got ''"),
+        (["--name", "a/b"], "--name must be a folder name without '/', got 'a/b'"),
+        (  # it failed in the first learn(), with the allocator's message, after the run folder was made
+            ["--steps-per-rollout", "100000000", "--minibatch-size", "64"],
+            "a rollout ring of num_slots=4 rollouts of num_envs=16 x steps_per_rollout=100000000 frames",
+        ),
     ],
 )
 def test_cli_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, message, tmp_path, capsys):
@@ -489,6 +496,22 @@ def test_cli_rejects_a_bad_option_with_exit_code_2_and_writes_nothing(options, m
     assert message in " ".join((captured.out + captured.err).split()), captured
     assert "Traceback" not in captured.err
     assert not runs.exists()
+
+
+def test_cli_refuses_a_run_name_that_holds_a_run_unless_it_resumes_from_it(tmp_path, capsys):
+    """A second run under one --name mixed its TensorBoard events and checkpoints with the first's."""
+    from simstream.cli.rl import main
+
+    run_dir = tmp_path / "runs" / "ip"
+    run_dir.mkdir(parents=True)
+    (run_dir / "model_2.pt").write_bytes(b"a checkpoint of the first run")
+    common = ["--env", env_id("none"), "--runs-dir", str(tmp_path / "runs"), "--name", "ip", "--no-progress"]
+    assert main(common) == 2
+    assert f"--name: '{run_dir}' already holds a run" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in run_dir.iterdir()) == ["model_2.pt"]
+    # resuming from a checkpoint inside it continues that run: past the name check (this file is no model)
+    assert main([*common, "--resume", str(run_dir / "model_2.pt")]) != 0
+    assert "already holds a run" not in capsys.readouterr().err
 
 
 def test_cli_reports_an_env_package_whose_own_import_fails_as_that_failure(tmp_path, capsys, monkeypatch):
@@ -524,8 +547,13 @@ def test_a_reused_run_directory_never_shows_an_earlier_crash(tmp_path, capsys):
     assert main(["--env", env_id("raise"), *common]) == EXIT_COLLECTOR_DIED
     assert "injected failure" in (tmp_path / "again" / "collector_crash.log").read_text()
     capsys.readouterr()
-    assert main(["--env", env_id("sigkill"), *common]) == EXIT_COLLECTOR_DIED
-    err = capsys.readouterr().err
+    assert main(["--env", env_id("sigkill"), *common]) == 2  # the command refuses a folder holding a run
+    capsys.readouterr()
+    # the library takes any log_dir
+    cfg = APPOConfig(env_id=env_id("sigkill"), num_envs=2, steps_per_rollout=16, minibatch_size=16)
+    with pytest.raises(CollectorDiedError) as died, APPORunner(cfg) as runner:
+        runner.learn(5, log_dir=str(tmp_path / "again"))
+    err = f"{died.value}\n{died.value.report}"
     assert "killed by signal 9 (SIGKILL)" in err
     assert "injected failure" not in err  # the first run's traceback is not this run's diagnosis
     assert "Crash log:" not in err  # SIGKILL writes nothing, and the empty log is removed

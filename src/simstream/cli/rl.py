@@ -72,6 +72,9 @@ class RLArgs:
         target = self.target_return
         if target is not None and not math.isfinite(target):
             raise ValueError(f"--target-return must be None or a finite number, got {target!r}.")
+        name = self.name
+        if name is not None and (not name or "/" in name or name in (".", "..")):
+            raise ValueError(f"--name must be a folder name without '/', got {name!r}.")
 
 
 def main(argv: list[str]) -> int:
@@ -120,6 +123,14 @@ def run(args: RLArgs) -> int:
     # bad options end here, with exit code 2 and nothing created on disk
     if args.resume is not None and not os.path.isfile(args.resume):
         return _bad_option(f"--resume {args.resume!r} is not a checkpoint file.")
+    continuing = args.resume is not None and os.path.dirname(os.path.abspath(args.resume)) == os.path.abspath(
+        run_dir
+    )
+    if os.path.isdir(run_dir) and os.listdir(run_dir) and not continuing:
+        return _bad_option(
+            f"--name: {run_dir!r} already holds a run (its logs and checkpoints would mix with this one's); "
+            "choose another --name, or --resume from a checkpoint in it to continue that run"
+        )
     try:
         runner = APPORunner(cfg, resume=args.resume)
     except GymnasiumError as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pickle
 import time
@@ -97,8 +98,28 @@ class APPORunner(AsyncRunner):
         self._returns: deque[float] = deque(maxlen=self.config.stats_window)
         self._lengths: deque[float] = deque(maxlen=self.config.stats_window)
         self._best_return = float("-inf")
+        self._check_ring_fits()
         if resume is not None:
             self.load_checkpoint(resume)
+
+    def _check_ring_fits(self) -> None:
+        """The rollout ring must fit the free shared memory, checked before anything is built: a ring too
+        large failed in the first ``learn()``, with the allocator's message, after a run had begun."""
+        from simstream.engine.sizing import free_shared_bytes
+
+        cfg = self.config
+        per_slot = sum(
+            math.prod(shape) * dtype.itemsize for shape, dtype in ring_fields(self._spec()).values()
+        )
+        needed, free = per_slot * cfg.num_slots, free_shared_bytes()
+        if free is not None and needed > free:
+            raise ValueError(
+                f"APPOConfig: a rollout ring of num_slots={cfg.num_slots} rollouts of "
+                f"num_envs={cfg.num_envs} "
+                f"x steps_per_rollout={cfg.steps_per_rollout} frames needs {needed / 2**30:.1f} GiB of "
+                f"shared memory, more than the {free / 2**30:.1f} GiB free in /dev/shm: lower num_envs, "
+                "steps_per_rollout or num_slots"
+            )
 
     # ------------------------------------------------------------------ extension points
     def _get_default_device(self) -> str:
