@@ -380,6 +380,16 @@ def test_inspect_rejects_a_bad_option_with_exit_code_2(args, message, capsys):
     assert message in _one_line(capsys.readouterr().err)
 
 
+def test_inspect_checks_its_default_strip_path_before_recording(tmp_path, monkeypatch, capsys):
+    """With ``runs`` a file, the episodes were recorded first and a FileExistsError ended the command."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("not a folder")
+    assert simstream(["inspect", "--episodes", "2"]) == 2
+    assert "InspectArgs.out cannot be written: 'runs' is a file, not a folder" in _one_line(
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

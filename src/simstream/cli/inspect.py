@@ -52,8 +52,12 @@ class InspectArgs:
         if self.out is not None and Path(self.out).suffix.lower() not in (".png", ".jpg", ".jpeg"):
             # matplotlib would add .png to another name and the report would name a file it did not write
             raise ValueError(f"InspectArgs.out must be a .png or .jpg file, got {str(self.out)!r}")
-        if self.out is not None:  # known now, not after the episodes ran
-            require_writable("InspectArgs", "out", self.out)
+        require_writable("InspectArgs", "out", self.out_path)  # known now, not after the episodes ran
+
+    @property
+    def out_path(self) -> Path:
+        """Where the strip goes: ``out``, or ``runs/inspect-<task>.png``."""
+        return Path(self.out) if self.out is not None else Path("runs") / f"inspect-{self.task}.png"
 
 
 def _allocate_rows(spec):
@@ -132,7 +136,7 @@ def run_inspect(args: InspectArgs) -> dict:
         print(f"episode {index}: {episode.instruction!r} - {episode.length} steps, {status}")
         for segment in episode.segments:
             print(f"    [{segment.start:3d}, {segment.end:3d})  {segment.instruction}")
-    out = args.out or Path("runs") / f"inspect-{args.task}.png"
+    out = args.out_path
     save_strip(out, shown, args.frames)
     summary = {
         "task": args.task,
