@@ -230,7 +230,10 @@ def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):
     assert out == ""  # refused before it says it starts anything
 
 
-def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys):
+def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys, monkeypatch):
+    import tqdm
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # its monitor thread would outlive the test
     strip = tmp_path / "strip.png"
     argv = ["inspect", "--episodes", "2", "--show", "1", "--frames", "4", "--image-size", "48"]
     assert simstream([*argv, "--out", str(strip)]) == 0
