@@ -320,6 +320,36 @@ def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
     assert "interrupted" in text
 
 
+def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
+    """SIGTERM (``kill``, a scheduler's time limit) took the default action: no clean stop, a warning about
+    leaked semaphores. Now it exits 143 after the command's own stop."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the Ctrl-C test above
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "simstream", "stream", "--seconds", "120"], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        for line in process.stdout:
+            if line.startswith(b"first generation"):
+                break
+        children = _descendants(process.pid)
+        assert children, "stream should run producer processes"
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    text = err.decode(errors="replace")
+    assert process.returncode == 143, text[-2000:]
+    assert "simstream stream: terminated (SIGTERM); the producers are stopped" in text
+    assert "leaked" not in text and "Traceback" not in text
+    wait_for_exit(children, 15, "processes left running after SIGTERM")
+
+
 def _tiny_demo(runs: Path, name: str, *extra: str) -> list[str]:
     return [
         "demo", "--quick", "--steps", "4", "--eval-episodes", "1", "--eval-episodes-during", "0",

@@ -56,3 +56,23 @@ def test_usage_lists_every_command(capsys, argv):
     out = capsys.readouterr().out
     assert all(f"  {name:<8} " in out for name in COMMANDS)
     assert "synthetic source or a built-in task" in out
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143(capsys, ctrl_c_raises):
+    import signal
+
+    from simstream.cli._report import exit_code
+
+    cleaned, before = [], signal.getsignal(signal.SIGTERM)
+
+    def job() -> None:
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            raise AssertionError("SIGTERM did not interrupt the job")
+        finally:
+            cleaned.append(True)  # what a command's finally does: stop the engine, close the recorder
+
+    assert exit_code("simstream record", job, interrupted="interrupted; what was flushed is kept") == 143
+    assert capsys.readouterr().err == "\nsimstream record: terminated (SIGTERM); what was flushed is kept\n"
+    assert cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before  # put back

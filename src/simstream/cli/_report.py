@@ -1,16 +1,25 @@
 """How every ``simstream`` command turns an outcome into an exit code and a one-line message.
 
 The library raises; a command reports: ``0`` done, ``2`` a bad option (a ``ValueError`` whose message names
-the setting and its range), ``130`` interrupted, ``1`` any other failure, printed with its type and no
+the setting and its range), ``130`` interrupted (Ctrl-C), ``143`` terminated (SIGTERM, handled as a Ctrl-C:
+the engine is stopped, what was flushed stays), ``1`` any other failure, printed with its type and no
 traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
-__all__ = ["exit_code"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_TERMINATED", "exit_code", "sigterm_as_ctrl_c"]
+
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT)."""
+EXIT_TERMINATED = 143
+"""Exit code after SIGTERM (128 + SIGTERM), which every command handles as a Ctrl-C."""
 
 
 def exit_code(
@@ -29,16 +38,45 @@ def exit_code(
             the options were parsed, when such errors are failures like any other (exit 1).
         interrupted: What to say after Ctrl-C.
     """
+    terminated: list[int] = []
     try:
-        return job() or 0
+        with sigterm_as_ctrl_c(terminated):
+            return job() or 0
     except SystemExit as exit_:  # tyro's --help and its own parse errors
         return int(exit_.code or 0)
     except KeyboardInterrupt:
+        if terminated:  # "interrupted; the producers are stopped" -> "terminated (SIGTERM); the ..."
+            rest = interrupted.partition("; ")[2]
+            print(f"\n{prog}: terminated (SIGTERM){'; ' + rest if rest else ''}", file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"\n{prog}: {interrupted}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as error:  # the command reports; the library raises
         if isinstance(error, bad_options):
             print(f"{prog}: {error}", file=sys.stderr)
             return 2
         print(f"\n{prog}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c(terminated: list[int]) -> Iterator[None]:
+    """Handle SIGTERM as a Ctrl-C inside the block (noted in ``terminated``): a command stops its engine,
+    saves and reports as after Ctrl-C, where SIGTERM's default action skipped all of it (``kill``, a job
+    scheduler's time limit). Code that holds a Ctrl-C back holds it back too (the Ctrl-C handler in place
+    decides); with Ctrl-C ignored (a background job) it raises at once."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is None:
+        yield  # handlers can be set only there, and one installed outside Python cannot be put back
+        return
+
+    def on_sigterm(number, frame) -> None:
+        terminated.append(number)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -10,13 +10,10 @@ written).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -25,11 +22,12 @@ import tyro
 
 from simstream.rl.config import APPOConfig
 
-__all__ = ["EXIT_CLOSE_FAILED", "EXIT_COLLECTOR_DIED", "RLArgs", "main"]
+from ._report import EXIT_TERMINATED, sigterm_as_ctrl_c
+
+__all__ = ["EXIT_CLOSE_FAILED", "EXIT_COLLECTOR_DIED", "EXIT_TERMINATED", "RLArgs", "main"]
 
 EXIT_COLLECTOR_DIED = 3
 EXIT_CLOSE_FAILED = 4
-EXIT_TERMINATED = 143
 _MODE_FLAGS = {"--sync": "sync", "--serial": "serial"}
 """Short forms of ``--mode sync`` and ``--mode serial``."""
 
@@ -156,7 +154,7 @@ def run(args: RLArgs) -> int:
     code = 0
     terminated: list[int] = []
     try:
-        with runner, _sigterm_as_ctrl_c(terminated):
+        with runner, sigterm_as_ctrl_c(terminated):
             runner.learn(
                 args.iterations,
                 save_interval=args.save_interval,
@@ -193,28 +191,6 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary, curve=bool(runner.history))
     return code
-
-
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c(terminated: list[int]):
-    """Handle SIGTERM as a Ctrl-C while training (noted in ``terminated``): the model is saved and the
-    report written, where SIGTERM's default action lost both. An update holds it back as it holds a Ctrl-C
-    (the Ctrl-C handler in place decides); with Ctrl-C ignored (a background job) it raises at once."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is None:
-        yield  # handlers can be set only there, and one installed outside Python cannot be put back
-        return
-
-    def on_sigterm(number, frame) -> None:
-        terminated.append(number)
-        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
-            raise KeyboardInterrupt
-        signal.raise_signal(signal.SIGINT)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _importable(module: str) -> bool:
