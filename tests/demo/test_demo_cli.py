@@ -93,6 +93,10 @@ def test_eval_overrides_the_checkpoints_gripper_threshold(quick_run, tmp_path, o
 def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
     assert simstream(["eval", str(tmp_path / "nope.pt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert simstream(["eval", str(tmp_path)]) == 2  # a run folder instead of its checkpoint
+    assert f"checkpoint '{tmp_path}' is a folder; give the file in it (checkpoint.pt)" in _one_line(
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,8 @@ def load_checkpoint(path: str | Path) -> PolicyCheckpoint:
         ValueError: the file is not a simstream policy checkpoint.
     """
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is a folder; give the file in it (checkpoint.pt)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
