@@ -32,7 +32,7 @@ from _workload import ContinuousPublication, Workload, make_engine, synthetic_sp
 
 @dataclass(frozen=True)
 class Args:
-    """Production benchmark of issue 6 (defaults: about 2 minutes on 2 vCPUs)."""
+    """Episodes/s of the engine against the bare source loop (defaults: about 2 minutes on 2 vCPUs)."""
 
     quick: bool = False
     """Tiny episodes and sub-second rounds: checks that everything runs, figures are meaningless."""

@@ -47,6 +47,8 @@ from _timing import pin_process, process_cpu_seconds, require_positive
 
 @dataclass(frozen=True)
 class Args:
+    """What recording a LeRobot dataset costs the producers and the trainer, and replay rates."""
+
     quick: bool = False
     """Short rounds: checks that everything runs; the figures mean nothing."""
     seconds: float = 5.0

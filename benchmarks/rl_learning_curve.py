@@ -27,7 +27,7 @@ from simstream.rl.config import Mode
 
 @dataclass(frozen=True)
 class Args:
-    """Return vs wall-clock of async and sync PPO on Hopper-v5 (issue 5)."""
+    """Return vs wall-clock of async and sync PPO on Hopper-v5."""
 
     env: str = "Hopper-v5"
     seconds: float = 600.0

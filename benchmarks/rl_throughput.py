@@ -38,7 +38,7 @@ from simstream.rl.learner import APPOLearner
 
 @dataclass(frozen=True)
 class Args:
-    """Throughput of async vs sync vs plain PPO on one task (issue 5)."""
+    """Throughput of async vs sync vs plain PPO on one task."""
 
     env: str = "Hopper-v5"
     num_envs: int = 16

@@ -59,7 +59,7 @@ ALL_SECTIONS: tuple[Section, ...] = ("lowdim", "images", "publication", "latency
 
 @dataclass(frozen=True)
 class Args:
-    """Sampling benchmarks of issue 6 (defaults: the reference workload, about 6 minutes on 2 vCPUs)."""
+    """sample_batch against TorchRL and the raw gather (defaults: about 6 minutes on 2 vCPUs)."""
 
     sections: tuple[Section, ...] = ALL_SECTIONS
     """Which sections to run."""

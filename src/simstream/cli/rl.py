@@ -48,6 +48,7 @@ class RLArgs:
     name: str | None = None
     """Run name; output goes to <runs-dir>/<name>/ (default: <env>-<mode>-<time>)."""
     runs_dir: str = "runs"
+    """Folder that holds the runs (created when missing)."""
     resume: str | None = None
     """A checkpoint (model_<n>.pt) to continue from: model, optimiser, normaliser, target net, versions."""
     save_interval: int = 50

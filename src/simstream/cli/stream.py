@@ -24,9 +24,13 @@ class StreamArgs:
     seconds: float = 10.0
     """How long to sample."""
     buffer_size: int = 64
+    """Episode rows of the shared buffer (at least num_workers x the source's envs per rollout)."""
     num_workers: int = 2
+    """Producer processes (or Ray actors with --backend ray)."""
     batch_size: int = 64
+    """Chunks per sample_batch call."""
     chunk_size: int = 16
+    """Frames per chunk."""
     refill_threshold: int = 0
     """Refill after ``refill_threshold * buffer_size`` chunks; 0 keeps producers refilling continuously."""
     backend: Literal["local", "ray"] = "local"
