@@ -215,6 +215,9 @@ def test_ctrl_c_inside_an_update_takes_effect_after_it_and_saves_the_updated_mod
             runner.learn(10, save_interval=0, log_dir=str(tmp_path))
         summary = runner.last_run_summary
         assert runner.weights.version == runner.policy_version == 2
+        # the interrupted update is counted in full: a history row and its frames (they were missing)
+        assert len(runner.history) == 2 and runner.history[-1]["rl/iteration"] == 2.0
+        assert runner.trained_frames == 2 * runner.config.frames_per_rollout
     assert summary["status"] == "interrupted" and summary["iterations"] == 2
     assert summary["last_checkpoint"] == os.path.join(str(tmp_path), "model_2.pt")
     assert sorted(name for name in os.listdir(tmp_path) if name.endswith((".pt", ".partial"))) == [

@@ -272,7 +272,9 @@ class APPORunner(AsyncRunner):
         lags = (self.policy_version - versions).flatten().tolist()
         # A Ctrl-C waits for the update, its publication and its count (tens of milliseconds): landing
         # inside, it left a model half-way between two versions that no checkpoint could label, and a sync
-        # collector waiting for a version that was never published, so every later learn() timed out.
+        # collector waiting for a version that was never published, so every later learn() timed out. The
+        # bookkeeping that follows (microseconds) is held back too: a run interrupted there reported an
+        # update saved but no frame trained and no history row.
         with ctrl_c_deferred():
             self._updating = True  # until the update is counted: a checkpoint now would mislabel the model
             try:
@@ -284,34 +286,36 @@ class APPORunner(AsyncRunner):
                 self.weights.publish(self.learner.snapshot(), self.policy_version)
             self.iterations_done += 1
             self._updating = False
-        timing["learner/update_s"] = time.perf_counter() - updated
-        timing["learner/wait_s"] = updated - waited
-        self.trained_frames += batch["rewards"].numel()
-        for ret, length in episodes:
-            self._returns.append(ret)
-            self._lengths.append(length)
-        ring = self.ring.stats()
-        wall = time.monotonic() - started
-        row = {
-            "rl/iteration": float(self.iterations_done),
-            "rl/wall_s": wall,
-            "rl/env_frames": float(self.env_frames),
-            "rl/env_frames_per_s": (self.env_frames - self._frames_at_learn) / max(wall, 1e-9),
-            "rl/trained_frames": float(self.trained_frames),
-            "rl/return": self.mean_return,
-            "rl/episode_length": sum(self._lengths) / len(self._lengths) if self._lengths else float("nan"),
-            "rl/episodes_in_window": float(len(self._returns)),
-            "rl/policy_lag": sum(lags) / len(lags),
-            "rl/policy_lag_max": float(max(lags)),
-            "rl/rollouts_per_update": float(len(taken)),
-            "ring/dropped_overflow": float(ring.dropped_overflow),
-            "ring/dropped_stale": float(ring.dropped_stale),
-            **metrics,
-            **timing,
-        }
-        if row["rl/episodes_in_window"] >= self.config.stats_window:
-            self._best_return = max(self._best_return, row["rl/return"])
-        self.history.append(row)
+            timing["learner/update_s"] = time.perf_counter() - updated
+            timing["learner/wait_s"] = updated - waited
+            self.trained_frames += batch["rewards"].numel()
+            for ret, length in episodes:
+                self._returns.append(ret)
+                self._lengths.append(length)
+            ring = self.ring.stats()
+            wall = time.monotonic() - started
+            row = {
+                "rl/iteration": float(self.iterations_done),
+                "rl/wall_s": wall,
+                "rl/env_frames": float(self.env_frames),
+                "rl/env_frames_per_s": (self.env_frames - self._frames_at_learn) / max(wall, 1e-9),
+                "rl/trained_frames": float(self.trained_frames),
+                "rl/return": self.mean_return,
+                "rl/episode_length": sum(self._lengths) / len(self._lengths)
+                if self._lengths
+                else float("nan"),
+                "rl/episodes_in_window": float(len(self._returns)),
+                "rl/policy_lag": sum(lags) / len(lags),
+                "rl/policy_lag_max": float(max(lags)),
+                "rl/rollouts_per_update": float(len(taken)),
+                "ring/dropped_overflow": float(ring.dropped_overflow),
+                "ring/dropped_stale": float(ring.dropped_stale),
+                **metrics,
+                **timing,
+            }
+            if row["rl/episodes_in_window"] >= self.config.stats_window:
+                self._best_return = max(self._best_return, row["rl/return"])
+            self.history.append(row)
         return row
 
     def _next_batch(
