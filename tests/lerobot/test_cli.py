@@ -132,6 +132,39 @@ def test_run_record_reports_what_it_recorded_and_how_long_producers_waited(tmp_p
     assert isinstance(result["producer_wait_s"], float) and result["producer_wait_s"] >= 0.0
 
 
+def test_an_interrupted_record_says_how_many_episodes_it_kept_and_where(tmp_path, monkeypatch, capsys):
+    """The interruption is forced once two episodes are flushed (a real Ctrl-C is timing-dependent)."""
+    import simstream.lerobot as lerobot
+    from simstream.cli import record
+
+    recorders = []
+
+    class Watched(lerobot.LeRobotRecorder):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs, flush_interval_s=0.05)
+            recorders.append(self)
+
+    real = record.refill_until
+
+    def until_two_are_flushed(engine, done, tick):
+        def tick_then_interrupt() -> None:
+            tick()
+            if recorders[0].episodes_flushed >= 2:
+                raise KeyboardInterrupt
+
+        return real(engine, done, tick_then_interrupt)
+
+    monkeypatch.setattr(lerobot, "LeRobotRecorder", Watched)  # run_record imports it when it runs
+    monkeypatch.setattr(record, "refill_until", until_two_are_flushed)
+    out = tmp_path / "ds"
+    with pytest.raises(KeyboardInterrupt):
+        record.run_record(record.RecordArgs(episodes=50, out=out, num_workers=1), progress=False)
+    kept = len(read_dataset_meta(out).episodes)
+    assert kept >= 2
+    err = capsys.readouterr().err
+    assert f"episodes of this run were flushed; the dataset {out.resolve()} holds {kept} episodes" in err
+
+
 def test_demo_refuses_datasets_that_do_not_fit_before_making_a_run_folder(tmp_path, capsys):
     """A replayed dataset of another task, a recording target with other features, recording into the
     replayed dataset, and a run folder that already holds a run: each exits 2 naming the setting."""

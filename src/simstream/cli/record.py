@@ -7,6 +7,7 @@ samples) and flushes small groups of closed files. Exit codes: 0 done, 2 a bad o
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,15 +145,25 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         megabytes = recorder.bytes_written / 1e6
         bar.set_postfix_str(f"{rate:.1f} eps/s, {megabytes:.1f} MB written", refresh=True)
 
+    interrupted = False
     try:
         recorder.start()
         engine.start()
         refill_until(engine, lambda: recorder.episodes_flushed >= args.episodes, tick)
         tick()  # the bar's last count
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         bar.close()
         engine.stop()
         recorder.close()
+        if interrupted:  # what the interruption kept, and where
+            print(
+                f"\nsimstream record: {recorder.episodes_flushed} episodes of this run were flushed; the "
+                f"dataset {out.resolve()} holds {recorder.writer.episodes_flushed} episodes, LeRobot v3.0",
+                file=sys.stderr,
+            )
     elapsed = time.monotonic() - began
     return {
         "episodes": recorder.episodes_flushed,
