@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from simstream import OnlineDataEngine, OnlineDataEngineCfg
-from simstream.lerobot import LeRobotRecorder
+from simstream.lerobot import LeRobotFormatError, LeRobotRecorder
 from simstream.lerobot.format import features_from_fields
 from simstream.lerobot.names import KeyMap
 from simstream.lerobot.writer import DatasetInUseError, DatasetWriter, repair
@@ -119,3 +119,8 @@ def test_one_recorder_per_engine(tmp_path):
     with pytest.raises(RuntimeError, match=r"LeRobotRecorder.start\(\) was already called"):
         first.start()  # closed: its writer let the folder go
     LeRobotRecorder(engine, tmp_path / "a").start().close()  # the folder and the gate are free again
+
+
+def test_repairing_a_folder_that_does_not_exist_names_it(tmp_path):
+    with pytest.raises(LeRobotFormatError, match=f"{tmp_path / 'nope'}: no such dataset folder"):
+        repair(tmp_path / "nope")

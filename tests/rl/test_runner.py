@@ -517,6 +517,16 @@ def test_cli_refuses_a_run_name_that_holds_a_run_unless_it_resumes_from_it(tmp_p
     assert "already holds a run" not in capsys.readouterr().err
 
 
+def test_default_run_names_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    """Two runs without --name in one second got one name; the second was refused for a --name never given."""
+    from simstream.cli import rl
+
+    monkeypatch.setattr(rl.time, "strftime", lambda fmt: "20261204-120000")
+    assert rl._new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000"
+    (tmp_path / "Hopper-v5-async-20261204-120000").mkdir()
+    assert rl._new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000-2"
+
+
 def test_cli_reports_an_env_package_whose_own_import_fails_as_that_failure(tmp_path, capsys, monkeypatch):
     """The env's package exists but imports a missing dependency: exit 1 naming that dependency, not
     "there is no module" (exit 2, a bad option)."""

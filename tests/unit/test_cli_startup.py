@@ -17,6 +17,7 @@ def test_importing_the_package_and_the_console_script_does_not_import_torch():
         "from simstream import Field, OnlineDataEngine\n"
         "assert OnlineDataEngine.__module__ == 'simstream.engine.engine' and 'torch' in sys.modules\n"
         "assert simstream.Field is Field\n"
+        "assert simstream.errors.OnlineDataWorkerError.__name__ == 'OnlineDataWorkerError'\n"
         "try:\n"
         "    simstream.NoSuchName\n"
         "except AttributeError as error:\n"

@@ -116,3 +116,21 @@ def test_rank_and_occurrence_helpers():
     np.testing.assert_array_equal(sampler_module._rank_within_value(values), [0, 0, 1, 2, 1, 0])
     np.testing.assert_array_equal(sampler_module._occurrences(values, np.array([5, 4, 9, 3])), [3, 0, 1, 2])
     np.testing.assert_array_equal(sampler_module._occurrences(np.empty(0, np.int64), np.array([1])), [0])
+
+
+def test_with_quotas_a_batch_that_needs_several_rounds_keeps_the_distribution():
+    """Two eligible rows of four: row 0 with one delivery left, row 1 with 100; batches of 2. Every draw is
+    uniform over the rows with quota left, a draw past a row's quota is drawn again: P(both from row 1) is
+    1/2 (first draw row 1) x 1/2 (second draw row 1) = 1/4. Rejection from all rows gives up on some calls
+    here; restarting them from scratch made 0.275 of the batches so."""
+    harness = _buffer(4, 2, budget=100)
+    quota = harness.sampler.quota
+    quota.debit(torch.zeros(99, dtype=torch.int64))
+    state = quota.state_dict()
+    generator = torch.Generator().manual_seed(5)
+    calls, both = 4000, 0
+    for _ in range(calls):
+        quota.load_state_dict(state)
+        both += bool((_rows_of(harness.sampler.sample_chunks(2, 4, "episode", generator)) == 1).all())
+    sd = (0.25 * 0.75 / calls) ** 0.5  # 0.0068
+    assert abs(both / calls - 0.25) < 4 * sd, both / calls

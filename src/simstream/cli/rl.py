@@ -117,14 +117,14 @@ def run(args: RLArgs) -> int:
 
     cfg = args.ppo
     mode = cfg.mode
-    name = args.name or f"{cfg.env_id.split(':')[-1]}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = args.name or _new_run_name(args.runs_dir, f"{cfg.env_id.split(':')[-1]}-{mode}")
     run_dir = os.path.join(args.runs_dir, name)
     # bad options end here, with exit code 2 and nothing created on disk
     if args.resume is not None and not os.path.isfile(args.resume):
         return _bad_option(f"--resume {args.resume!r} is not a checkpoint file.")
-    continuing = args.resume is not None and os.path.dirname(os.path.abspath(args.resume)) == os.path.abspath(
-        run_dir
-    )
+    continuing = args.resume is not None and os.path.dirname(
+        os.path.realpath(args.resume)
+    ) == os.path.realpath(run_dir)
     if os.path.isdir(run_dir) and os.listdir(run_dir) and not continuing:
         return _bad_option(
             f"--name: {run_dir!r} already holds a run (its logs and checkpoints would mix with this one's); "
@@ -192,6 +192,16 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary, curve=bool(runner.history))
     return code
+
+
+def _new_run_name(runs_dir: str, prefix: str) -> str:
+    """``<prefix>-<date>-<time>``, with ``-2``, ``-3``... when runs started in the same second."""
+    stamp = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name, k = stamp, 1
+    while os.path.exists(os.path.join(runs_dir, name)):
+        k += 1
+        name = f"{stamp}-{k}"
+    return name
 
 
 def _importable(module: str) -> bool:

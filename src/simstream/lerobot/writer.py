@@ -517,6 +517,8 @@ def repair(root: Path | str) -> dict[str, Any]:
         DatasetInUseError: a writer has the dataset open (its group in progress would look uncommitted).
     """
     root = Path(root)
+    if not root.is_dir():  # before the lock, which would fail with the OS's error naming no dataset
+        raise LeRobotFormatError(f"{root}: no such dataset folder")
     fd = _lock_folder(root)
     try:
         return _repair(root)

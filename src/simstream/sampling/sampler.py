@@ -39,13 +39,15 @@ from .windows import (
     draw_rows,
     draw_starts,
     rows_of_generations,
+    uniform,
 )
 
 __all__ = ["WindowSampler"]
 
 _MAX_TORN_ROUNDS = 64
-_QUOTA_ROUNDS = 8
-"""Rounds of redrawing the draws over a row's quota before the exact scan takes over."""
+_QUOTA_ROUNDS = 16
+"""Rounds of redrawing the draws over a row's quota, as ``EpisodeQuota.draw_rows`` has, before the rest of
+the batch is drawn from the remaining deliveries."""
 _FIRST_BACKOFF_S = 2e-4
 _MAX_BACKOFF_S = 5e-3
 FrameMap = Callable[[WindowSelection], "torch.Tensor | ChunkFrames"]
@@ -291,10 +293,7 @@ class WindowSampler:
         with quota.lock.held(with_deadline(check_failed, lock_wait_s, "The quota lock", quota.lock)):
             for _ in range(_MAX_TORN_ROUNDS):
                 tables = self.tables.views()
-                drawn = self._draw_within_quota(tables, request)
-                if drawn is None:  # rows with quota left are rare, or none is: the exact scan decides
-                    drawn = self._draw_within_quota_exactly(tables, request)
-                rows, versions = drawn
+                rows, versions = self._draw_within_quota(tables, request)
                 selection = draw_starts(tables, rows, versions, chunk, mode, generator)
                 batch = self.gatherer.gather(frames(selection), out, columns)
                 if self._torn(selection, generations).size:
@@ -307,57 +306,83 @@ class WindowSampler:
             f"{unavailable} Producers rewrote the selected rows {_MAX_TORN_ROUNDS} times in a row."
         )
 
-    def _draw_within_quota(
-        self, tables: IndexTables, request: _Request
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The batch's rows by rejection, in O(batch): eligible rows with quota left, none drawn more often
-        than its quota allows (a row keeps its draws up to its quota, earlier draws first, and the excess is
-        drawn again, as :meth:`EpisodeQuota.draw_rows` does). ``None`` when rejection does not settle."""
-        quota, count = self.quota, request.batch_size
+    def _draw_within_quota(self, tables: IndexTables, request: _Request) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's rows: each drawn uniformly among the eligible rows with quota left, a row keeping as
+        many draws as its quota allows (earlier draws first) and the excess drawn again, as
+        :meth:`EpisodeQuota.draw_rows` does; after its rounds, the rest from the remaining deliveries.
+
+        Draws come by rejection from all rows (O(batch)) until rows with quota left prove rare; from then
+        on, for the rest of the batch, from the list of every eligible row (a scan, O(buffer_size)), which
+        also decides a batch that cannot be filled.
+
+        Raises:
+            DataUnavailableError: no eligible row.
+            DataBudgetExhaustedError: the eligible rows' quotas cannot supply the batch.
+        """
+        quota, count, generator = self.quota, request.batch_size, request.generator
         rows, versions = np.empty(count, np.int64), np.empty(count, np.int64)
         kept, todo = np.empty(0, np.int64), np.arange(count)
+        candidates: np.ndarray | None = None  # the scan, made once rejection runs out of draws
 
-        def has_quota_left(candidates: np.ndarray) -> np.ndarray:
-            return quota.remaining_of(candidates) > _occurrences(kept, candidates)
+        def left(of: np.ndarray) -> np.ndarray:
+            """Quota left to each row of ``of`` after the draws this batch kept."""
+            return quota.remaining_of(of) - _occurrences(kept, of)
 
         for _ in range(_QUOTA_ROUNDS):
-            drawn, drawn_versions, ok = draw_by_rejection(
-                tables, todo.size, request.chunk, request.mode, request.generator, request.generations,
-                has_quota_left,
-            )  # fmt: skip
-            if not ok.all():
-                return None
-            left = quota.remaining_of(drawn)
-            if kept.size == 0 and int(left.min()) >= drawn.size:  # no row can be drawn past its quota
-                fits = np.ones(drawn.size, dtype=bool)
+            if candidates is None:
+                drawn, drawn_versions, ok = draw_by_rejection(
+                    tables, todo.size, request.chunk, request.mode, generator, request.generations,
+                    lambda of: left(of) > 0,
+                )  # fmt: skip
+                missing = np.flatnonzero(~ok)
+                if missing.size:
+                    candidates = self._eligible_rows_with_quota(tables, request)
             else:
-                fits = _rank_within_value(np.concatenate([kept, drawn]))[kept.size :] < left
+                drawn, drawn_versions = np.empty(todo.size, np.int64), np.empty(todo.size, np.int64)
+                missing = np.arange(todo.size)
+            if missing.size:  # uniform among the listed rows with quota left, as a rejected draw would be
+                active = candidates[left(candidates) > 0]
+                if active.size == 0:
+                    raise self._exhausted(candidates, count)
+                picked = active[(uniform(missing.size, generator) * active.size).astype(np.int64)]
+                drawn[missing], drawn_versions[missing] = picked, tables.version[picked]
+            fits = _rank_within_value(np.concatenate([kept, drawn]))[kept.size :] < quota.remaining_of(drawn)
             rows[todo[fits]], versions[todo[fits]] = drawn[fits], drawn_versions[fits]
             kept, todo = np.concatenate([kept, drawn[fits]]), todo[~fits]
             if todo.size == 0:
                 return rows, versions
-        return None
+        if candidates is None:
+            candidates = self._eligible_rows_with_quota(tables, request)
+        units = np.repeat(candidates, np.clip(left(candidates), 0, todo.size))  # one per delivery left
+        if units.size < todo.size:
+            raise self._exhausted(candidates, count)
+        picked = units[torch.randperm(units.size, generator=generator).numpy()[: todo.size]]
+        rows[todo], versions[todo] = picked, tables.version[picked]
+        return rows, versions
 
-    def _draw_within_quota_exactly(
-        self, tables: IndexTables, request: _Request
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's rows from the list of every eligible row with quota left (O(buffer_size)); raises
-        when there is none, or when their quotas together cannot fill the batch."""
-        quota, batch_size = self.quota, request.batch_size
+    def _eligible_rows_with_quota(self, tables: IndexTables, request: _Request) -> np.ndarray:
+        """Every eligible row now (a scan); raises when there is none, or when their quotas together cannot
+        supply the batch."""
         row_filter = rows_of_generations(tables, request.generations)
-        candidates = candidate_rows(self.index, request.chunk, request.mode, row_filter)
-        if candidates.numel() == 0:
+        candidates = candidate_rows(self.index, request.chunk, request.mode, row_filter).numpy()
+        if candidates.size == 0:
             raise DataUnavailableError(request.unavailable)
+        error = self._exhausted(candidates, request.batch_size)
+        if error.remaining < request.batch_size:
+            raise error
+        return candidates
+
+    def _exhausted(self, candidates: np.ndarray, batch_size: int) -> DataBudgetExhaustedError:
+        """The error for a batch these rows' quotas cannot fill; ``remaining`` holds what they can give."""
         # each row capped at the batch: huge budgets summed over many rows would wrap int64, and under the
         # batch size the capped sum is the exact one the message reports
-        remaining = int(quota.remaining(candidates).clamp(0, batch_size).sum())
-        if remaining < batch_size:
-            raise DataBudgetExhaustedError(
-                "Eligible unlocked episode quotas cannot supply a complete batch of "
-                f"{batch_size} chunks; remaining={remaining}."
-            )
-        rows = quota.draw_rows(candidates, batch_size, generator=request.generator).numpy()
-        return rows, tables.version[rows]
+        remaining = int(np.clip(self.quota.remaining_of(candidates), 0, batch_size).sum())
+        error = DataBudgetExhaustedError(
+            "Eligible unlocked episode quotas cannot supply a complete batch of "
+            f"{batch_size} chunks; remaining={remaining}."
+        )
+        error.remaining = remaining
+        return error
 
 
 def _occurrences(values: np.ndarray, of: np.ndarray) -> np.ndarray:

@@ -264,6 +264,11 @@ class WorkerSupervisor:
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
         self._entered = entered = EntryFlags(len(specs), self._ctx)
+        # a spawn start launches Python's resource tracker if it is not running, and its launch unblocks
+        # SIGINT in this thread on its way out: launched now, it cannot undo the block below
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
         for index, spec in enumerate(specs):
             process = self._ctx.Process(
                 target=worker_entry,
