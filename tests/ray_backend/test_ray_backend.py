@@ -190,6 +190,19 @@ def test_exhausted_restarts_fail_the_engine_naming_producer_node_and_error(clust
     stop_quietly(engine)
 
 
+def test_a_build_that_hangs_fails_the_start_naming_the_node_its_actor_runs_on(cluster):
+    """The actor runs and only its source's build hangs: the error names the node (it said "unknown")."""
+    backend = RayBackend(resources={"sim": 1}, start_timeout_s=3.0, max_restarts=0)
+    engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="build_hang", fault_worker=1), backend))
+    with pytest.raises(RayProducerError) as caught:
+        engine.start()
+    assert str(caught.value).startswith(
+        f"Ray producer producer-1 on node {sim_node_id(cluster)}: starting its actor and building its source "
+        "did not finish within RayBackend.start_timeout_s=3.0 s"
+    ), str(caught.value)
+    stop_quietly(engine)
+
+
 def test_hanging_call_fails_the_engine_after_its_timeout_and_stop_ends_the_actor(cluster):
     backend = RayBackend(resources={"sim": 1}, call_timeout_s=2.0, max_restarts=0)
     engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="hang", fault_worker=1), backend, num_workers=2))
@@ -307,7 +320,7 @@ def test_shutdown_closes_sources_whose_build_finished_unreceived(cluster):
 
 
 _STOP_DURING_RAY_INIT = """
-import threading, time
+import sys, threading, time
 from simstream import OnlineDataEngine, OnlineDataEngineCfg
 from simstream.ray import RayBackend
 from tests.ray_backend.conftest import ray_processes, wait_for
@@ -329,7 +342,10 @@ if __name__ == "__main__":
 
     starter = threading.Thread(target=start)
     starter.start()
-    wait_for(lambda: engine._ray_joining is not None and engine._ray_joining.value, "the ingest's ray.init")
+    if sys.argv[1] == "inside":  # the cluster's first processes are up: ray.init is under way
+        wait_for(lambda: ray_processes(), "the ingest's ray.init", 120)
+    else:  # the ingest is launched, and still starting (imports) or about to call ray.init
+        wait_for(lambda: engine._ray_joining is not None, "the ingest's launch")
     engine.stop()
     starter.join(60)
     wait_for(lambda: not ray_processes(), "the ingest's own cluster to end")
@@ -337,16 +353,21 @@ if __name__ == "__main__":
 """
 
 
-def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_clean(cluster, tmp_path):
+@pytest.mark.parametrize("moment", ["inside", "before"])
+def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_clean(
+    cluster, tmp_path, moment
+):
     """``ray.init`` cannot be interrupted: the stop waits for it instead of terminating the ingest past its
-    exit bound (which failed the engine with a durability error)."""
+    exit bound (which failed the engine with a durability error). A stop before it (the ingest still
+    importing) is seen by the ingest, which then never connects; it went on into ray.init, was terminated
+    there, and left Ray's agents running."""
     script = tmp_path / "stop_during_init.py"
     script.write_text(_STOP_DURING_RAY_INIT)
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=150, check=False,
-        env={**env, "PYTHONPATH": root},
+        [sys.executable, str(script), moment], cwd=root, capture_output=True, text=True, timeout=150,
+        check=False, env={**env, "PYTHONPATH": root},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "STOPPED ['OnlineDataEngine.start() was cancelled by stop().']", (
@@ -513,7 +534,7 @@ from dataclasses import dataclass
 
 import ray
 
-from simstream import Field, OnlineDataEngine, OnlineDataEngineCfg
+from simstream import Episode, Field, OnlineDataEngine, OnlineDataEngineCfg
 from simstream.ray import RayBackend
 
 
@@ -522,8 +543,16 @@ class SimulatorCrashed(Exception):
 
 
 class Source:
+    def __init__(self, fail_at):
+        self.fail_at, self.rollouts = fail_at, 0
+
     def rollout(self, rows, *, attempt, should_stop):
-        raise SimulatorCrashed("physics exploded at step 3")
+        self.rollouts += 1
+        if self.rollouts >= self.fail_at:
+            raise SimulatorCrashed("physics exploded at step 3")
+        rows["obs"][0, :5] = 1.0
+        rows["actions"][0, :5] = 0.0
+        return [Episode(length=5)]
 
     def close(self):
         pass
@@ -531,6 +560,7 @@ class Source:
 
 @dataclass(frozen=True)
 class Spec:
+    fail_at: int = 1
     num_envs: int = 1
     max_episode_steps: int = 5
 
@@ -538,14 +568,16 @@ class Spec:
         return {"obs": Field((2,)), "actions": Field((2,))}
 
     def build(self, worker_index, seed):
-        return Source()
+        return Source(self.fail_at)
 
 
 if __name__ == "__main__":
     ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
-    backend = RayBackend(resources={"sim": 1}, max_restarts=0)
+    windows = int(sys.argv[2])  # 2: the second window of the first call fails, after the first arrived
+    backend = RayBackend(resources={"sim": 1}, max_restarts=0, windows_per_call=windows)
     cfg = OnlineDataEngineCfg(
-        source=Spec(), buffer_size=1, shutdown_timeout=10.0, initialization_timeout=120.0, backend=backend
+        source=Spec(fail_at=windows), buffer_size=2, shutdown_timeout=10.0, initialization_timeout=120.0,
+        backend=backend,
     )
     engine = OnlineDataEngine(cfg)
     try:
@@ -560,8 +592,10 @@ if __name__ == "__main__":
 """
 
 
-def test_an_exception_class_of_the_users_script_reaches_it_as_itself(cluster, tmp_path):
-    """Ray moves a class of the script's ``__main__`` by value; the owner still catches its own class."""
+@pytest.mark.parametrize("windows_per_call", [1, 2])
+def test_an_exception_class_of_the_users_script_reaches_it_as_itself(cluster, tmp_path, windows_per_call):
+    """Ray moves a class of the script's ``__main__`` by value; the owner still catches its own class, also
+    when a later window of a call fails (it came as an ``OnlineDataWorkerError`` then)."""
     import ray
 
     script = tmp_path / "train.py"
@@ -569,8 +603,9 @@ def test_an_exception_class_of_the_users_script_reaches_it_as_itself(cluster, tm
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     address = ray.get_runtime_context().gcs_address
     result = subprocess.run(
-        [sys.executable, str(script), address], cwd=root, capture_output=True, text=True, timeout=150
-    )
+        [sys.executable, str(script), address, str(windows_per_call)], cwd=root, capture_output=True,
+        text=True, timeout=150,
+    )  # fmt: skip
     assert result.stdout.strip() == "caught __main__ SimulatorCrashed physics exploded at step 3", (
         result.stdout + result.stderr[-3000:]
     )

@@ -53,7 +53,7 @@ class ScriptedSpec:
     """The first N attempts of every window report a failed episode."""
     fault: str | None = None
     """One of: raise, timeout (a ``TimeoutError`` of the source's own), unpicklable, oddinit, exit, sigkill,
-    segfault, hang, stall, bad_report, build_raise,
+    segfault, hang, stall, bad_report, build_raise, build_hang,
     unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten),
     sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop), node_only
     (raises ``NodeOnlyError`` of a module ``simstream_node_only_error`` that only the producer can import)."""
@@ -79,6 +79,8 @@ class ScriptedSpec:
     def build(self, worker_index: int, seed: int) -> ScriptedSource:
         if self.fault == "build_raise" and worker_index == self.fault_worker:
             raise ValueError("source could not be built")
+        if self.fault == "build_hang" and worker_index == self.fault_worker:
+            threading.Event().wait(3600)
         return ScriptedSource(self, worker_index, seed)
 
 

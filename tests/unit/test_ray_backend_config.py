@@ -25,6 +25,12 @@ _BAD_FIELDS = [
         r"RayBackend\.address must be a cluster's GCS address .*not a Ray Client address, got 'ray://head",
         id="address-ray-client",
     ),
+    pytest.param(
+        "address",
+        "RAY://head:10001",
+        r"RayBackend\.address must be a cluster's GCS address .*not a Ray Client address",
+        id="address-ray-client-upper-case",
+    ),
     pytest.param("resources", ["sim"], r"RayBackend\.resources must be a mapping", id="resources-list"),
     pytest.param(
         "resources", {"CPU": 1}, r"RayBackend\.resources must be a mapping whose keys", id="res-cpu"
@@ -262,3 +268,15 @@ def test_an_actor_exception_only_ray_could_carry_keeps_its_type_message_and_the_
     assert 'File "source.py", line 7, in rollout' in str(wrapped)
     plain = KeyError("scripted failure")
     assert _original(RayTaskError("ProducerActor.generate", actor_traceback, plain)) is plain
+
+
+def test_mappings_are_kept_as_plain_dicts_so_the_config_pickles():
+    """A MappingProxyType passed validation, then engine.start() failed to pickle it, naming no field."""
+    import pickle
+    from types import MappingProxyType
+
+    backend = RayBackend(
+        resources=MappingProxyType({"sim": 1}), runtime_env=MappingProxyType({"env_vars": {}})
+    )
+    assert type(backend.resources) is dict and type(backend.runtime_env) is dict
+    assert pickle.loads(pickle.dumps(backend)) == backend

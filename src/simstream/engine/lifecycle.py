@@ -59,7 +59,8 @@ class EngineLifecycle:
 
     _supervisor: WorkerSupervisor | None
     _ray_joining: object
-    """Ray backend: when the ingest entered ``ray.init`` (``time.monotonic()``), 0.0 outside it."""
+    """Ray backend: when the ingest was launched (``time.monotonic()``) until it has connected to Ray (or
+    saw the stop first), then 0.0."""
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -128,7 +129,8 @@ class EngineLifecycle:
             ctx.set_forkserver_preload(["simstream.engine.forkserver_preload"])
             _start_forkserver_ignoring_ctrl_c()
         if cfg.backend is not None:  # Ray actors, fed into the buffer by one ingest process
-            self._ray_joining = ctx.Value("d", 0.0, lock=False)
+            # joining from now: the ingest's imports and ray.init cannot be interrupted (it clears it)
+            self._ray_joining = ctx.Value("d", time.monotonic(), lock=False)
             specs = [_ray_ingest_spec(shared, cfg, self._num_envs, self._ray_joining)]
         else:
             specs = [
@@ -342,12 +344,12 @@ class EngineLifecycle:
         return self.cfg.initialization_timeout if self.cfg.backend is not None else 0.0
 
     def _wait_while_joining_ray(self, supervisor: WorkerSupervisor) -> None:
-        """Let a Ray ingest finish ``ray.init`` before its exit is timed.
+        """Let a Ray ingest finish starting and ``ray.init`` before its exit is timed.
 
-        ``ray.init`` cannot be interrupted, and starting a local cluster takes seconds (15 on a loaded
-        2-core machine): an ingest stopped inside it would be terminated past its exit bound and the
-        stop reported as a forced one. The wait ends ``initialization_timeout`` after the ingest entered
-        ``ray.init``, or when the ingest is gone.
+        Neither can be interrupted, and starting a local cluster takes seconds (15 on a loaded 2-core
+        machine): an ingest stopped inside it would be terminated past its exit bound and the stop
+        reported as a forced one. An ingest that sees the stop before ``ray.init`` does not connect. The
+        wait ends ``initialization_timeout`` after the ingest was launched, or when it is gone.
         """
         joining = self._ray_joining
         while joining is not None and joining.value:

@@ -35,6 +35,8 @@ class WindowFailure:
     returned (the ingest publishes them, as a local producer would have), then the failure is raised."""
 
     error: BaseException
+    traceback: str = ""
+    """The actor's traceback of ``error`` (the text a ``RayTaskError`` carries for the first window)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,13 @@ class ProducerActor:
         gc.freeze()  # what Ray, torch and the source left behind is never scanned again (see ingest.py)
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
+    def where(self) -> dict[str, object]:
+        """Where the actor runs (``node_id`` hex, ``pid``). Runs in the ``control`` group, so it answers
+        while :meth:`build` hangs, and a start timeout can name the node."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
     def generate(self, number: int, count: int = 1) -> list[WindowPayload | WindowFailure]:
         """Roll out windows ``number .. number + count - 1`` of a generation, in order.
 
@@ -120,7 +129,7 @@ class ProducerActor:
             except Exception as error:
                 if not windows:
                     raise
-                windows.append(WindowFailure(error))
+                windows.append(WindowFailure(error, "".join(traceback.format_exception(error))))
                 break
             if window is None:
                 break

@@ -101,6 +101,11 @@ class RayBackend:
 
     def __post_init__(self) -> None:
         self.validate()
+        # plain dicts: the config is pickled into the ingest process, and some mappings (a
+        # MappingProxyType) cannot be
+        object.__setattr__(self, "resources", dict(self.resources))
+        if self.runtime_env is not None:
+            object.__setattr__(self, "runtime_env", dict(self.runtime_env))
 
     def validate(self) -> None:
         """Check every field.
@@ -229,7 +234,7 @@ def require_ray_address(owner: str, name: str, address: object) -> None:
         address,
     )
     require(
-        address is None or not address.strip().startswith("ray://"),
+        address is None or not address.strip().lower().startswith("ray://"),
         owner,
         name,
         "a cluster's GCS address ('host:port', usually port 6379), not a Ray Client address",

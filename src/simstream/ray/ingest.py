@@ -100,15 +100,16 @@ def run_ingest(
         spec_bytes: ``cfg.source`` pickled by value (cloudpickle) in the owner, for the actors.
         num_envs: Rows per window.
         address: The Ray cluster to join (``None``: ``RAY_ADDRESS`` or a new local cluster).
-        joining: A shared double set to ``time.monotonic()`` while this process is inside ``ray.init``
-            (the owner's stop waits for it to come out), else 0.0.
+        joining: A shared double: when the owner launched this process, until it has connected to Ray
+            (the owner's stop waits for that, see :meth:`RayProducers.start`), then 0.0.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides; its stop() ends this process
     torch.set_num_threads(1)
     cfg = pickle.loads(cfg_bytes)
     producers = RayProducers(shared, cfg, num_envs, spec_bytes, address, joining)
     try:
-        producers.start()
+        if not producers.start():
+            return  # stopped before it connected
         # ray.init installs a SIGTERM handler that raises SystemExit, which would be published as this
         # process's failure when the owner terminates it after its shutdown_timeout: die as a signal does
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -149,6 +150,8 @@ class _Producer:
     actor: object = None
     build_ref: object = None
     watch_ref: object = None
+    where_ref: object = None
+    """The actor's :meth:`ProducerActor.where` call: its node, known even while its build hangs."""
     """The outstanding :meth:`ProducerActor.watch` call: fails as soon as the actor is lost."""
     node_id: str | None = None
     pid: int = 0
@@ -212,20 +215,29 @@ class RayProducers:
         """Window start -> field name -> the window's rows ``[num_envs, T, ...]`` (built once per window)."""
 
     # -- lifecycle (in the ingest process) ------------------------------------------------------------
-    def start(self) -> None:
-        """Connect to Ray and start every actor (building happens in the actors)."""
-        if not ray.is_initialized():
-            if self._joining is not None:
-                self._joining.value = time.monotonic()
-            try:
+    def start(self) -> bool:
+        """Connect to Ray and start every actor (building happens in the actors); ``False`` when the
+        engine was stopped before this process connected (it then never starts a cluster only to leave).
+
+        The owner set ``joining`` when it launched this process and waits while it is set: imports and
+        ``ray.init`` (a local cluster takes seconds to start) cannot be interrupted. It is cleared once
+        connected, or once the stop is seen here first. The stop sets the close flag before it reads
+        ``joining``, and this process reads the flag only while ``joining`` is still set, so a stop is
+        either seen here or waited for there.
+        """
+        try:
+            if not ray.is_initialized():
+                if self._shared.close_flag.is_set():
+                    return False
                 ray.init(address=self._address, logging_level=logging.WARNING)
-            finally:
-                if self._joining is not None:
-                    self._joining.value = 0.0
-            self._initialized_ray = True
+                self._initialized_ray = True
+        finally:
+            if self._joining is not None:
+                self._joining.value = 0.0
         self._actor_class = ray.remote(concurrency_groups={"control": 1, "watch": 1})(ProducerActor)
         for producer in self._producers:
             self._start_actor(producer)
+        return True
 
     def shutdown(self, timeout_s: float) -> ShutdownReport:
         """Close every source (bounded by ``timeout_s``), then kill every actor and leave Ray.
@@ -268,13 +280,14 @@ class RayProducers:
             self._spec_bytes, producer.index, seed, cfg.max_generation_attempts, cfg.check_unwritten_frames
         )
         producer.build_ref = producer.actor.build.remote()
+        producer.where_ref = producer.actor.where.options(concurrency_group="control").remote()
         producer.head_since = time.monotonic()
         producer.node_id, producer.pid = None, 0
 
     def _kill(self, producer: _Producer) -> None:
         actor, producer.actor = producer.actor, None
         producer.calls.clear()
-        producer.build_ref = producer.watch_ref = None
+        producer.build_ref = producer.watch_ref = producer.where_ref = None
         if actor is None:
             return
         try:
@@ -418,7 +431,8 @@ class RayProducers:
             # windows before the failing one arrived whole: visible first, as a local producer's
             self._hold(producer, call, value[:-1], now)
             self._publish_held(producer)
-            self._shared.channel.publish(value[-1].error, producer.label)
+            failure = value[-1]
+            self._shared.channel.publish(_sendable(failure.error, failure.traceback), producer.label)
             raise Closing
         self._hold(producer, call, value, now)
 
@@ -582,15 +596,25 @@ class RayProducers:
             # finished, only not received yet: the ingest itself was held up (e.g. waiting for room in the
             # lifecycle log, or for the recorder), which is back-pressure, not a hang of the actor
             return
-        node = producer.node_id
+        node = producer.node_id or self._placed_on(producer)
         self._publish_held(producer)  # arrived whole before the hang: visible, as a local producer's
         self._kill(producer)
         self._fail(producer, node, f"{what} (GetTimeoutError)", "timed out")
 
+    def _placed_on(self, producer: _Producer) -> str | None:
+        """The node of an actor whose build has not returned, if the actor runs (None: not placed)."""
+        ref = producer.where_ref
+        if ref is None or not ray.wait([ref], timeout=0)[0]:
+            return None
+        try:
+            return ray.get(ref, timeout=0)["node_id"]
+        except Exception:  # lost meanwhile: the node is unknown
+            return None
+
     def _fail(self, producer: _Producer, node: str | None, what: str, outcome: str) -> None:
         backend = self._backend
         error = RayProducerError(
-            f"Ray producer {producer.label} on node {node or 'unknown (never started)'}: {what}; "
+            f"Ray producer {producer.label} on node {node or 'unknown (its actor never started)'}: {what}; "
             f"{outcome} after {producer.restarts} restart(s) of max_restarts={backend.max_restarts}.",
             producer.label,
             node,
@@ -613,12 +637,19 @@ def _original(error: RayTaskError) -> BaseException:
             return error.as_instanceof_cause()
         except Exception:
             return error
-    cause = _as_main_class(cause)
+    return _sendable(cause, getattr(error, "traceback_str", ""))
+
+
+def _sendable(error: BaseException, traceback_text: str) -> BaseException:
+    """``error`` as the error channel can send it: the script's own class again (:func:`_as_main_class`),
+    or, if it still cannot be pickled by reference, an ``OnlineDataWorkerError`` naming its type and
+    message, with the actor's traceback."""
+    error = _as_main_class(error)
     try:
-        pickle.loads(pickle.dumps(cause))
+        pickle.loads(pickle.dumps(error))
     except Exception:
-        return unsendable_error(cause, getattr(error, "traceback_str", ""))
-    return cause
+        return unsendable_error(error, traceback_text)
+    return error
 
 
 def _as_main_class(error: BaseException) -> BaseException:
