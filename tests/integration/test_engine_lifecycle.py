@@ -417,29 +417,17 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
 
 
 _CONSUMER_OF_A_KILLED_OWNER_SCRIPT = """
-import multiprocessing as mp, os, signal, sys, time
+import multiprocessing as mp, os, signal
 from simstream import OnlineDataEngine
+from tests.support.consumers import sample_until_it_fails
 from tests.support.engines import make_cfg
 from tests.support.sources import ScriptedSpec
-
-
-def consume(engine, ready):
-    ready.set()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            engine.sample_batch(2, 2)
-        except Exception as error:
-            print("consumer:", engine.state.value, type(error).__name__, error, flush=True)
-            return
-        time.sleep(0.01)
-    print("consumer: still sampling after 60 s", flush=True)
 
 
 def own(ready):
     engine = OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6, refill_threshold=1))
     engine.start()
-    consumer = mp.get_context("spawn").Process(target=consume, args=(engine, ready))
+    consumer = mp.get_context("spawn").Process(target=sample_until_it_fails, args=(engine, ready))
     consumer.start()
     ready.wait(120)
     os.kill(os.getpid(), signal.SIGKILL)  # no stop(), no exit handlers

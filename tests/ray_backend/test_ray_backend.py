@@ -377,24 +377,12 @@ def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_c
 
 
 _OWNER_KILLED_SCRIPT = """
-import multiprocessing as mp, os, sys, threading, time
+import multiprocessing as mp, sys, threading
 import ray
 from simstream import OnlineDataEngine, OnlineDataEngineCfg
 from simstream.ray import RayBackend
+from tests.support.consumers import sample_until_it_fails
 from tests.support.sources import ScriptedSpec
-
-
-def consume(engine, ready):
-    ready.set()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            engine.sample_batch(2, 2)
-        except Exception as error:
-            print("consumer:", engine.state.value, type(error).__name__, error, flush=True)
-            return
-        threading.Event().wait(0.01)
-    print("consumer: still sampling after 60 s", flush=True)
 
 
 if __name__ == "__main__":
@@ -404,7 +392,7 @@ if __name__ == "__main__":
     engine = OnlineDataEngine(cfg)
     engine.start()
     ready = mp.get_context("spawn").Event()
-    consumer = mp.get_context("spawn").Process(target=consume, args=(engine, ready))
+    consumer = mp.get_context("spawn").Process(target=sample_until_it_fails, args=(engine, ready))
     consumer.start()
     ready.wait(120)
     print("ready", flush=True)
