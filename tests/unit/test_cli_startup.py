@@ -77,3 +77,19 @@ def test_sigterm_is_handled_as_ctrl_c_and_exits_143(capsys, ctrl_c_raises):
     assert capsys.readouterr().err == "\nsimstream record: terminated (SIGTERM); what was flushed is kept\n"
     assert cleaned == [True]
     assert signal.getsignal(signal.SIGTERM) is before  # put back
+
+
+def test_a_sigterm_while_a_command_is_imported_is_one_line_and_exit_143(monkeypatch, capsys, ctrl_c_raises):
+    import signal
+
+    from simstream.cli import main as cli
+
+    def terminated(name):
+        signal.raise_signal(signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the import")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli.importlib, "import_module", terminated)
+    assert cli.main(["record", "--episodes", "1"]) == 143
+    assert capsys.readouterr().err == "\nsimstream record: terminated (SIGTERM)\n"
+    assert signal.getsignal(signal.SIGTERM) is before

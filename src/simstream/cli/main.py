@@ -44,12 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"simstream: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    try:  # each command reports a Ctrl-C in its work; this one lands in its imports (torch: seconds)
-        module = importlib.import_module(f"simstream.cli.{command}")
-        return int(module.main(rest) or 0)
+    from ._report import EXIT_INTERRUPTED, EXIT_TERMINATED, sigterm_as_ctrl_c
+
+    terminated: list[int] = []
+    try:  # each command reports a Ctrl-C or SIGTERM in its work; these land in its imports (torch: seconds)
+        with sigterm_as_ctrl_c(terminated):
+            module = importlib.import_module(f"simstream.cli.{command}")
+            return int(module.main(rest) or 0)
     except KeyboardInterrupt:
-        print(f"\nsimstream {command}: interrupted", file=sys.stderr)
-        return 130
+        print(
+            f"\nsimstream {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}",
+            file=sys.stderr,
+        )
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
