@@ -13,7 +13,7 @@ from simstream import OnlineDataEngine, OnlineDataEngineCfg
 from simstream.lerobot import LeRobotFormatError, LeRobotRecorder
 from simstream.lerobot.format import features_from_fields
 from simstream.lerobot.names import KeyMap
-from simstream.lerobot.writer import DatasetInUseError, DatasetWriter, repair
+from simstream.lerobot.writer import DatasetInUseError, DatasetWriter, check_dataset_folder, repair
 
 from .sources import PatternSpec, pattern_record
 
@@ -124,3 +124,22 @@ def test_one_recorder_per_engine(tmp_path):
 def test_repairing_a_folder_that_does_not_exist_names_it(tmp_path):
     with pytest.raises(LeRobotFormatError, match=f"{tmp_path / 'nope'}: no such dataset folder"):
         repair(tmp_path / "nope")
+
+
+def test_a_dataset_killed_before_its_first_info_json_can_be_recorded_into(tmp_path):
+    """What a writer killed while creating a dataset leaves (folders, a temporary file) was refused as
+    "not a LeRobot dataset"; a folder with a file of its own still is."""
+    root = tmp_path / "ds"
+    (root / "meta").mkdir(parents=True)
+    (root / "data" / "chunk-000").mkdir(parents=True)
+    (root / "meta" / ".info.json.tmp").write_text("{")
+    assert check_dataset_folder(root, "--out") is False
+    with DatasetWriter(root, _FEATURES, 20) as writer:
+        writer.add(pattern_record(0, image_size=None))
+        writer.flush()
+    assert check_dataset_folder(root, "--out") is True
+    other = tmp_path / "notes"
+    (other / "sub").mkdir(parents=True)
+    (other / "sub" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=f"--out: {other} exists and is not a LeRobot dataset"):
+        check_dataset_folder(other, "--out")

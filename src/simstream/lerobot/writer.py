@@ -472,9 +472,18 @@ def check_dataset_folder(root: Path | str, what: str) -> bool:
     root = Path(root)
     if (root / "meta" / "info.json").is_file():
         return True
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+    if root.exists() and (not root.is_dir() or _holds_files(root)):
         raise ValueError(f"{what}: {root} exists and is not a LeRobot dataset; choose a new or empty folder")
     return False
+
+
+def _holds_files(root: Path) -> bool:
+    """Whether ``root`` holds a file other than our hidden temporary ones: a writer killed while creating
+    a dataset, before its first ``info.json``, leaves empty folders and temporary files only."""
+    return any(
+        path.is_file() and not (path.name.startswith(".") and path.name.endswith(".tmp"))
+        for path in root.rglob("*")
+    )
 
 
 class DatasetInUseError(RuntimeError):
