@@ -137,8 +137,9 @@ class EpisodeQuota:
 
     def remaining(self, rows: torch.Tensor) -> torch.Tensor:
         """Deliveries each row may still serve: ``min(assigned, hard_limit) - delivered`` (int64)."""
-        table = self._rows[rows.to(device="cpu", dtype=torch.int64)]
-        return table[..., _ASSIGNED].clamp(max=self.hard_limit) - table[..., _DELIVERED]
+        return torch.from_numpy(
+            np.asarray(self.remaining_of(rows.to(device="cpu", dtype=torch.int64).numpy()))
+        )
 
     def remaining_of(self, rows: np.ndarray) -> np.ndarray:
         """:meth:`remaining` for a NumPy array of rows (the sampler's per-draw test: no tensor overhead)."""

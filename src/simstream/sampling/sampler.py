@@ -34,11 +34,10 @@ from .keys import refuse_ambiguous_keys, select_keys
 from .windows import (
     IndexTables,
     WindowSelection,
-    candidate_rows,
     draw_by_rejection,
     draw_rows,
     draw_starts,
-    rows_of_generations,
+    eligible_rows,
     uniform,
 )
 
@@ -363,26 +362,24 @@ class WindowSampler:
     def _eligible_rows_with_quota(self, tables: IndexTables, request: _Request) -> np.ndarray:
         """Every eligible row now (a scan); raises when there is none, or when their quotas together cannot
         supply the batch."""
-        row_filter = rows_of_generations(tables, request.generations)
-        candidates = candidate_rows(self.index, request.chunk, request.mode, row_filter).numpy()
+        candidates = eligible_rows(tables, request.chunk, request.mode, request.generations)
         if candidates.size == 0:
             raise DataUnavailableError(request.unavailable)
-        error = self._exhausted(candidates, request.batch_size)
-        if error.remaining < request.batch_size:
-            raise error
+        if self._capped_remaining(candidates, request.batch_size) < request.batch_size:
+            raise self._exhausted(candidates, request.batch_size)
         return candidates
 
-    def _exhausted(self, candidates: np.ndarray, batch_size: int) -> DataBudgetExhaustedError:
-        """The error for a batch these rows' quotas cannot fill; ``remaining`` holds what they can give."""
+    def _capped_remaining(self, candidates: np.ndarray, batch_size: int) -> int:
         # each row capped at the batch: huge budgets summed over many rows would wrap int64, and under the
         # batch size the capped sum is the exact one the message reports
-        remaining = int(np.clip(self.quota.remaining_of(candidates), 0, batch_size).sum())
-        error = DataBudgetExhaustedError(
+        return int(np.clip(self.quota.remaining_of(candidates), 0, batch_size).sum())
+
+    def _exhausted(self, candidates: np.ndarray, batch_size: int) -> DataBudgetExhaustedError:
+        """The error for a batch these rows' quotas cannot fill."""
+        return DataBudgetExhaustedError(
             "Eligible unlocked episode quotas cannot supply a complete batch of "
-            f"{batch_size} chunks; remaining={remaining}."
+            f"{batch_size} chunks; remaining={self._capped_remaining(candidates, batch_size)}."
         )
-        error.remaining = remaining
-        return error
 
 
 def _occurrences(values: np.ndarray, of: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@ __all__ = [
     "draw_by_rejection",
     "draw_rows",
     "draw_starts",
+    "eligible_rows",
 ]
 
 _SCAN_COST = 4
@@ -129,12 +130,15 @@ def _eligible(
     return ok, versions
 
 
-def rows_of_generations(tables: IndexTables, generations: np.ndarray | None) -> torch.Tensor | None:
-    """Bool mask of the rows holding one of ``generations`` now (``None``: every row); O(buffer_size)."""
-    if generations is None:
-        return None
-    # a copy: producers write the live table, and isin() reads its input more than once
-    return torch.from_numpy(np.isin(tables.generation.copy(), generations))
+def eligible_rows(
+    tables: IndexTables, chunk: int, mode: str, generations: np.ndarray | None = None
+) -> np.ndarray:
+    """Every row that holds an eligible window now (of ``generations``): :func:`candidate_rows`, a scan,
+    O(buffer_size)."""
+    row_filter = None
+    if generations is not None:  # a copy: producers write the live table, and isin() reads it twice
+        row_filter = torch.from_numpy(np.isin(tables.generation.copy(), generations))
+    return candidate_rows(tables.index, chunk, mode, row_filter).numpy()
 
 
 def candidate_rows(
@@ -208,8 +212,7 @@ def draw_rows(
     rows, versions, ok = draw_by_rejection(tables, count, chunk, mode, generator, generations)
     missing = np.flatnonzero(~ok)
     if missing.size:
-        row_filter = rows_of_generations(tables, generations)
-        candidates = candidate_rows(tables.index, chunk, mode, row_filter).numpy()
+        candidates = eligible_rows(tables, chunk, mode, generations)
         if candidates.size == 0:
             return None
         picked = candidates[(uniform(missing.size, generator) * candidates.size).astype(np.int64)]
