@@ -6,9 +6,11 @@ updated still opens with every committed episode. Every failure names the file a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,22 +91,31 @@ class DatasetMeta:
         )
 
 
-def _read_table(path: Path, columns: list[str] | None = None, *, skip_prefix: str | None = None):
-    """The parquet file's ``columns`` (all: ``None``), leaving out those named ``skip_prefix...``."""
+@contextlib.contextmanager
+def _parquet(path: Path) -> Iterator[None]:
+    """Read the parquet file ``path`` inside the block: a missing or damaged file is a
+    ``LeRobotFormatError`` naming it."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if not path.is_file():
         raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
     try:
-        if skip_prefix is not None:
-            names = columns if columns is not None else pq.read_schema(path).names
-            columns = [name for name in names if not name.startswith(skip_prefix)]
-        return pq.read_table(path, columns=columns)
+        yield
     except (pa.ArrowInvalid, OSError) as error:
         raise LeRobotFormatError(
             f"{path}: not a readable parquet file (truncated or damaged?): {error}"
         ) from error
+
+
+def _read_table(path: Path, columns: list[str] | None = None, *, skip_prefix: str | None = None):
+    """The parquet file's ``columns`` (all: ``None``), leaving out those named ``skip_prefix...``."""
+    import pyarrow.parquet as pq
+
+    with _parquet(path):
+        if skip_prefix is not None:
+            names = columns if columns is not None else pq.read_schema(path).names
+            columns = [name for name in names if not name.startswith(skip_prefix)]
+        return pq.read_table(path, columns=columns)
 
 
 def _language(path: Path, index_name: str, text_name: str, required: bool) -> list[str]:
@@ -222,8 +233,8 @@ class EpisodeReader:
         self.meta = meta
         self.features = features
         self._files: OrderedDict[Path, _DataFile] = OrderedDict()
-        self._groups: OrderedDict[tuple[Path, int, int], dict[str, Any]] = OrderedDict()
-        self._group_bytes: dict[tuple[Path, int, int], int] = {}
+        self._groups: OrderedDict[tuple[Path, int, int], tuple[dict[str, Any], int]] = OrderedDict()
+        """(file, first row group, last row group) -> decoded columns and their bytes, least recent first."""
         self._cached_bytes = 0
         self._containers: OrderedDict[Path, Any] = OrderedDict()
         """Open video files, least recently used first: a dataset holds one file per camera per recorded
@@ -236,12 +247,9 @@ class EpisodeReader:
         if known is not None:
             self._files.move_to_end(path)
             return known
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if not path.is_file():
-            raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
-        try:
+        with _parquet(path):
             handle = pq.ParquetFile(path)
             names = set(handle.schema_arrow.names)
             wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
@@ -250,10 +258,6 @@ class EpisodeReader:
             if missing:
                 raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
             index = handle.read(columns=["index"]).column("index").to_numpy()
-        except (pa.ArrowInvalid, OSError) as error:
-            raise LeRobotFormatError(
-                f"{path}: not a readable parquet file (truncated or damaged?): {error}"
-            ) from error
         rows = [handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         known = self._files[path] = _DataFile(handle, index, starts, wanted)
@@ -266,26 +270,19 @@ class EpisodeReader:
         first = int(np.searchsorted(data.starts, lo, side="right")) - 1
         last = int(np.searchsorted(data.starts, hi - 1, side="right")) - 1
         key = (path, first, last)
-        columns = self._groups.get(key)
-        if columns is not None:
+        cached = self._groups.get(key)
+        if cached is not None:
             self._groups.move_to_end(key)
-            return columns, int(data.starts[first])
-        import pyarrow as pa
-
-        try:
+            return cached[0], int(data.starts[first])
+        with _parquet(path):
             table = data.handle.read_row_groups(range(first, last + 1), columns=data.wanted)
-        except (pa.ArrowInvalid, OSError) as error:
-            raise LeRobotFormatError(
-                f"{path}: not a readable parquet file (truncated or damaged?): {error}"
-            ) from error
         columns = self._convert(table, path)
         size = sum(len(b) for v in columns.values() if isinstance(v, list) for b in v)
         size += sum(v.nbytes for v in columns.values() if isinstance(v, np.ndarray))
-        self._groups[key], self._group_bytes[key] = columns, size
+        self._groups[key] = (columns, size)
         self._cached_bytes += size
         while self._cached_bytes > _CACHE_BYTES and len(self._groups) > 1:
-            old, _ = self._groups.popitem(last=False)
-            self._cached_bytes -= self._group_bytes.pop(old)
+            self._cached_bytes -= self._groups.popitem(last=False)[1][1]
         return columns, int(data.starts[first])
 
     def _convert(self, table: Any, path: Path) -> dict[str, Any]:
@@ -400,7 +397,6 @@ class EpisodeReader:
             data.handle.close()
         self._files.clear()
         self._groups.clear()
-        self._group_bytes.clear()
         self._cached_bytes = 0
 
 

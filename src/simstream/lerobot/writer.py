@@ -116,18 +116,19 @@ class DatasetWriter:
         self._pending: list[EpisodeRecord] = []
         self._language_written = (0, 0)
         self._lock_fd: int | None = None
-        if (self.root / "meta" / "info.json").exists():
+        checked = (self.root / "meta" / "info.json").exists()
+        if checked:
             from .dataset import read_dataset_meta
 
             # a refused append changes nothing: checked before the lock and the repair (it may switch to
-            # the dataset's codec)
-            self._check_appendable(read_dataset_meta(self.root))
+            # the dataset's codec); a dataset that exists keeps its fps and features, so once is enough
+            self._check_appendable(read_dataset_meta(self.root, stats=False))
         check_video_frames(self.features, self.video_codec)
         make_folders(self.root)
         self._lock_fd = _lock_folder(self.root)
         try:
             if (self.root / "meta" / "info.json").exists():  # again: another writer may have made it since
-                self._resume()
+                self._resume(checked)
             else:
                 self._write_meta()
         except BaseException:
@@ -138,8 +139,7 @@ class DatasetWriter:
         """Let other writers open the dataset (queued episodes not flushed are dropped). Idempotent."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # also for forked children that inherited the descriptor
-            os.close(fd)
+            _unlock_folder(fd)
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -152,10 +152,11 @@ class DatasetWriter:
             self.close()
 
     # -- append ---------------------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume(self, checked: bool) -> None:
         state = _repair(self.root)
-        self._check_appendable(state["meta"])
-        check_video_frames(self.features, self.video_codec)
+        if not checked:  # made by another writer since this one looked
+            self._check_appendable(state["meta"])
+            check_video_frames(self.features, self.video_codec)
         self.tasks = {t: i for i, t in enumerate(state["tasks"])}
         self.subtasks = {t: i for i, t in enumerate(state["subtasks"])}
         self._language_written = (len(self.tasks), len(self.subtasks))
@@ -508,6 +509,12 @@ def _lock_folder(root: Path) -> int:
     return fd
 
 
+def _unlock_folder(fd: int) -> None:
+    """Release :func:`_lock_folder`'s lock, also for forked children that inherited the descriptor."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
 def _check_simstream_recording(meta) -> None:
     if not all(k in meta.info["features"] for k in EXTRA_KEYS):
         raise LeRobotFormatError(
@@ -532,8 +539,7 @@ def repair(root: Path | str) -> dict[str, Any]:
     try:
         return _repair(root)
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _unlock_folder(fd)
 
 
 def _repair(root: Path) -> dict[str, Any]:
