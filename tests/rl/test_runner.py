@@ -519,12 +519,12 @@ def test_cli_refuses_a_run_name_that_holds_a_run_unless_it_resumes_from_it(tmp_p
 
 def test_default_run_names_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
     """Two runs without --name in one second got one name; the second was refused for a --name never given."""
-    from simstream.cli import rl
+    from simstream import _runs
 
-    monkeypatch.setattr(rl.time, "strftime", lambda fmt: "20261204-120000")
-    assert rl._new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000"
+    monkeypatch.setattr(_runs.time, "strftime", lambda fmt: "20261204-120000")
+    assert _runs.new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000"
     (tmp_path / "Hopper-v5-async-20261204-120000").mkdir()
-    assert rl._new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000-2"
+    assert _runs.new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000-2"
 
 
 def test_cli_reports_an_env_package_whose_own_import_fails_as_that_failure(tmp_path, capsys, monkeypatch):

@@ -497,3 +497,13 @@ def test_the_adaptive_learning_rate_moves_only_the_way_the_kl_asks(start, kl, ex
     learner._adapt_learning_rate(kl)
     assert learner.learning_rate == pytest.approx(expected)
     assert all(group["lr"] == learner.learning_rate for group in learner.optimizer.param_groups)
+
+
+def test_ring_shared_bytes_are_what_the_ring_allocates_for_its_rollouts():
+    fields = {"obs": ((8, 3, 5), torch.float32), "versions": ((8,), torch.int64), "n": ((), torch.int64)}
+    ring = RolloutRing(fields, 3, "block", CTX)
+    try:
+        allocated = sum(t.numel() * t.element_size() for t in ring.data.values())
+        assert RolloutRing.shared_bytes(fields, 3) == allocated == 3 * (8 * 3 * 5 * 4 + 8 * 8 + 8)
+    finally:
+        ring.release()

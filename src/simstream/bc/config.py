@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from .._runs import is_folder_name
 from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
@@ -200,7 +201,7 @@ class DemoConfig:
             self.buffer_size,
         )
         require(
-            self.name is None or (bool(self.name) and "/" not in self.name and self.name not in (".", "..")),
+            self.name is None or is_folder_name(self.name),
             "DemoConfig",
             "name",
             "a folder name without '/'",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .._runs import new_run_name
 from .._validation import require_writable
 from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
@@ -179,16 +180,6 @@ def _check_batch_fits(cfg: DemoConfig, layout: Any) -> None:
         )
 
 
-def _new_run_name(runs: Path) -> str:
-    """``demo-<date>-<time>``, with ``-2``, ``-3``... when runs started in the same second."""
-    stamp = time.strftime("demo-%Y%m%d-%H%M%S")
-    name, k = stamp, 1
-    while (runs / name).exists():
-        k += 1
-        name = f"{stamp}-{k}"
-    return name
-
-
 def _check_run_folder(cfg: DemoConfig) -> None:
     """``runs_dir`` must be a folder, and a named run's folder new or empty: a second run in it would mix
     its TensorBoard events and files with the first's."""
@@ -216,7 +207,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from simstream import OnlineDataEngine
 
     began = time.monotonic()
-    name = cfg.name or _new_run_name(Path(cfg.runs_dir))
+    name = cfg.name or new_run_name(cfg.runs_dir, "demo")
     run_dir = Path(cfg.runs_dir) / name
     engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source

@@ -14,12 +14,12 @@ import math
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import tyro
 
+from simstream._runs import is_folder_name, new_run_name
 from simstream.rl.config import APPOConfig
 
 from ._report import EXIT_TERMINATED, sigterm_as_ctrl_c
@@ -72,7 +72,7 @@ class RLArgs:
         if target is not None and not math.isfinite(target):
             raise ValueError(f"--target-return must be None or a finite number, got {target!r}.")
         name = self.name
-        if name is not None and (not name or "/" in name or name in (".", "..")):
+        if name is not None and not is_folder_name(name):
             raise ValueError(f"--name must be a folder name without '/', got {name!r}.")
 
 
@@ -117,7 +117,7 @@ def run(args: RLArgs) -> int:
 
     cfg = args.ppo
     mode = cfg.mode
-    name = args.name or _new_run_name(args.runs_dir, f"{cfg.env_id.split(':')[-1]}-{mode}")
+    name = args.name or new_run_name(args.runs_dir, f"{cfg.env_id.split(':')[-1]}-{mode}")
     run_dir = os.path.join(args.runs_dir, name)
     # bad options end here, with exit code 2 and nothing created on disk
     if args.resume is not None and not os.path.isfile(args.resume):
@@ -192,16 +192,6 @@ def run(args: RLArgs) -> int:
                                  f"{mode} PPO on {cfg.env_id}")  # fmt: skip
         _print_summary(summary, curve=bool(runner.history))
     return code
-
-
-def _new_run_name(runs_dir: str, prefix: str) -> str:
-    """``<prefix>-<date>-<time>``, with ``-2``, ``-3``... when runs started in the same second."""
-    stamp = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    name, k = stamp, 1
-    while os.path.exists(os.path.join(runs_dir, name)):
-        k += 1
-        name = f"{stamp}-{k}"
-    return name
 
 
 def _importable(module: str) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import pickle
 import time
@@ -108,10 +107,8 @@ class APPORunner(AsyncRunner):
         from simstream.engine.sizing import free_shared_bytes
 
         cfg = self.config
-        per_slot = sum(
-            math.prod(shape) * dtype.itemsize for shape, dtype in ring_fields(self._spec()).values()
-        )
-        needed, free = per_slot * cfg.num_slots, free_shared_bytes()
+        needed = RolloutRing.shared_bytes(ring_fields(self._spec()), cfg.num_slots)
+        free = free_shared_bytes()
         if free is not None and needed > free:
             raise ValueError(
                 f"APPOConfig: a rollout ring of num_slots={cfg.num_slots} rollouts of "

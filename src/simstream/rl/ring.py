@@ -17,6 +17,7 @@ re-checks the slot's ``(state, seq)`` after copying anyway, and raises if the in
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -94,6 +95,11 @@ class RolloutRing:
         self._lock = SharedLock()
         self._filled = ctx.Semaphore(0)  # doorbell rung by commit(); spurious wake-ups are harmless
         self._freed = ctx.Semaphore(0)  # doorbell rung whenever a slot becomes FREE
+
+    @staticmethod
+    def shared_bytes(fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]], num_slots: int) -> int:
+        """Bytes of shared memory the rollouts of a ring of ``num_slots`` slots of ``fields`` take."""
+        return num_slots * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
