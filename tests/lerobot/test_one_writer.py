@@ -47,6 +47,26 @@ def test_a_second_writer_on_a_dataset_is_refused_while_the_first_is_open(tmp_pat
         second.flush()
 
 
+def test_a_forked_child_that_closes_the_writer_leaves_the_parent_s_lock(tmp_path):
+    root = tmp_path / "ds"
+    with DatasetWriter(root, _FEATURES, 20) as writer:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker or a producer forked from the recording process
+            try:
+                writer.close()
+                del writer
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with pytest.raises(DatasetInUseError, match="one writer per dataset at a time"):
+            DatasetWriter(root, _FEATURES, 20)
+        writer.add(pattern_record(0, image_size=None))
+        assert writer.flush() == 1
+    with DatasetWriter(root, _FEATURES, 20) as reopened:
+        assert reopened.episodes_flushed == 1
+
+
 def test_a_new_dataset_folder_is_locked_too(tmp_path):
     root = tmp_path / "new"
     with DatasetWriter(root, _FEATURES, 20), pytest.raises(DatasetInUseError):

@@ -116,6 +116,7 @@ class DatasetWriter:
         self._pending: list[EpisodeRecord] = []
         self._language_written = (0, 0)
         self._lock_fd: int | None = None
+        self._lock_pid = os.getpid()
         checked = (self.root / "meta" / "info.json").exists()
         if checked:
             from .dataset import read_dataset_meta
@@ -136,10 +137,18 @@ class DatasetWriter:
             raise
 
     def close(self) -> None:
-        """Let other writers open the dataset (queued episodes not flushed are dropped). Idempotent."""
+        """Let other writers open the dataset (queued episodes not flushed are dropped). Idempotent.
+
+        In a forked child that inherited the writer this closes the child's descriptor only: the lock
+        belongs to the process that took it.
+        """
         fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
+        if fd is None:
+            return
+        if os.getpid() == self._lock_pid:
             _unlock_folder(fd)
+        else:  # LOCK_UN acts on the description shared with the parent: it would free the parent's lock
+            os.close(fd)
 
     def __enter__(self) -> DatasetWriter:
         return self
