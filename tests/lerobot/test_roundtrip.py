@@ -225,14 +225,16 @@ def test_skip_mode_counts_what_producers_overwrote(tmp_path):
     gate.mark_recorded(0, 5)
     gate.before_claim(0, 4, episode_id)
     assert gate.skipped.tolist() == [0, 1, 0, 1] and gate.total_skipped() == 2
+    assert gate.recorded.tolist() == [5, 6, -1, 7]  # settled: a late copy of 6 or 7 is discarded
     gate.attach("wait")
+    episode_id = torch.tensor([5, 8, -1, 9])  # published since into the rows claimed above
     calls = []
 
     def check():
         calls.append(1)
         if len(calls) == 3:
-            gate.mark_recorded(1, 6)
-            gate.mark_recorded(3, 7)
+            gate.mark_recorded(1, 8)
+            gate.mark_recorded(3, 9)
 
     gate.before_claim(0, 4, episode_id, check)  # returns once the recorder marked the rows
     assert len(calls) == 3
@@ -249,6 +251,31 @@ def test_skip_mode_counts_what_producers_overwrote(tmp_path):
     gate.before_claim(0, 4, torch.tensor([9, 9, 9, 9]), stop)  # detached: never waits
     with pytest.raises(ValueError, match="RecordGate mode must be 'wait' or 'skip', got 'drop'"):
         gate.attach("drop")
+
+
+def test_skip_mode_accounts_for_every_published_episode_once(tmp_path):
+    """Producers overwrite rows the recorder has not copied: every episode they published ends recorded
+    or skipped, never both (a copy that a claim overtakes is discarded) and never neither."""
+    cfg = OnlineDataEngineCfg(source=PatternSpec(), buffer_size=4, num_workers=2, refill_policy="manual")
+    engine = OnlineDataEngine(cfg)
+    recorder = LeRobotRecorder(engine, tmp_path / "ds", on_full="skip", flush_every=4)
+    with recorder, engine:  # the engine stops first; closing the recorder copies what is still published
+        for _ in range(40):  # manual refills: the producers are idle once a generation completes
+            engine.wait_for_generation(engine.request_refill(), timeout=60)
+        published = engine.get_stats()["successful_episodes"]
+    assert published >= 160
+    assert recorder.episodes_skipped > 0, "the producers never overtook the recorder: nothing was tested"
+    assert recorder.episodes_recorded + recorder.episodes_skipped == published
+    tags = [_tag_of(e.frames) for e in _episodes(tmp_path / "ds")]
+    assert len(tags) == len(set(tags)) == recorder.episodes_flushed == recorder.episodes_recorded
+
+
+def _episodes(root):
+    source = LeRobotSpec(root).build(0, 0)
+    try:
+        return [source.reader.read(e) for e in range(len(source.reader.meta.episodes))]
+    finally:
+        source.close()
 
 
 def test_episodes_without_frames_are_counted_and_never_wedge_the_producers(tmp_path):

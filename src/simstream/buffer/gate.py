@@ -6,9 +6,12 @@ is attached in ``"wait"`` mode, waits until every row about to be claimed is rec
 
     row r may be claimed  <=>  episode_id[r] < 0  or  recorded[r] >= episode_id[r]
 
-``recorded[r]`` has one writer (the recorder); ``skipped[r]`` and ``waited_ns[r]`` (how long claims
-starting at row ``r`` waited for the recorder) have one writer each (the producer owning row ``r``). In
-``"skip"`` mode a claim never waits: it counts the unrecorded episode it overwrites in ``skipped``. The wait
+``skipped[r]`` and ``waited_ns[r]`` (how long claims starting at row ``r`` waited for the recorder) have
+one writer each (the producer owning row ``r``); ``recorded[r]`` is the recorder's, except in ``"skip"``
+mode. There a claim never waits: it counts the unrecorded episode it overwrites in ``skipped`` and marks it
+as settled in ``recorded``, under a lock that the recorder also takes to settle a copy
+(:meth:`RecordGate.settle`), so an episode whose copy completes while a claim overtakes it is counted as
+recorded or as skipped, never both. The wait
 is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a producer's stop check
 raises once the engine closes or its owner is gone); a recorder that detaches (closes, or its thread fails)
 sets the mode back to off, which ends every wait.
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .._sync import Doorbell
+from .._sync import Doorbell, SharedLock
 
 __all__ = ["RecordGate"]
 
@@ -42,12 +45,14 @@ class RecordGate:
     """Per-row "recorded up to episode id" in shared memory, and the recorder's mode.
 
     Owns: ``recorded``, ``skipped`` and ``waited_ns`` (``[buffer_size]`` int64), ``mode`` (one int64) and
-    the doorbell a waiting claim rings (a semaphore). Allocated by the engine's owner and pickled into
+    the doorbell a waiting claim rings (a semaphore), and the lock under which skip mode settles an
+    episode (recorded or skipped). Allocated by the engine's owner and pickled into
     producers with the rest of the shared state.
     """
 
     def __init__(self, buffer_size: int, ctx: Any = None) -> None:
         self._demand = Doorbell(ctx)
+        self._settle_lock = SharedLock()
         self.recorded = torch.full((buffer_size,), -1, dtype=torch.int64).share_memory_()
         self.skipped = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
         self.waited_ns = torch.zeros(buffer_size, dtype=torch.int64).share_memory_()
@@ -87,6 +92,26 @@ class RecordGate:
         """The recorder copied ``episode_id`` out of ``row``: the row may be claimed again."""
         self.recorded[row] = episode_id
 
+    def settle(
+        self, row: int, episode_id: int, unchanged: Callable[[], bool], check: Callable[[], None] | None
+    ) -> bool:
+        """In the recorder, after copying ``episode_id`` out of ``row``: keep the copy or not.
+
+        Returns ``True`` (and marks the episode recorded) when ``unchanged()`` says the row still holds
+        the episode as copied and, in skip mode, no claim has counted it as skipped; ``False`` otherwise:
+        the copy is discarded. ``check`` bounds the wait for the skip-mode lock (it raises to give up).
+        """
+        if int(self._mode_view[0]) != _SKIP:
+            if not unchanged():
+                return False
+            self.recorded[row] = episode_id
+            return True
+        with self._settle_lock.held(check):
+            if int(self.recorded[row]) >= episode_id or not unchanged():
+                return False
+            self.recorded[row] = episode_id
+            return True
+
     def wait_for_demand(self, timeout: float) -> bool:
         """In the recorder: sleep until a claim waits for a row (or :meth:`wake`) or ``timeout`` seconds pass.
 
@@ -104,6 +129,17 @@ class RecordGate:
     def total_waited_s(self) -> float:
         """Seconds producers' claims have spent waiting for a recorder, summed over producers."""
         return int(self.waited_ns.sum()) / 1e9
+
+    def _skip(self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None) -> None:
+        """Count the unrecorded episodes of rows ``[start, end)`` as skipped and settle them, under the
+        lock :meth:`settle` takes: a copy the recorder has not settled yet is then discarded."""
+        with self._settle_lock.held(check):
+            ids = episode_id[start:end]
+            recorded = self.recorded[start:end]
+            pending = ids > recorded
+            if bool(pending.any()):
+                self.skipped[start:end] += pending.to(torch.int64)
+                self.recorded[start:end] = torch.maximum(recorded, ids)
 
     def before_claim(
         self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None = None
@@ -125,7 +161,7 @@ class RecordGate:
                 if not bool(pending.any()):
                     return
                 if mode == _SKIP:
-                    self.skipped[start:end] += pending.to(torch.int64)
+                    self._skip(start, end, episode_id, check)
                     return
                 if began is None:
                     began = time.monotonic_ns()

@@ -336,8 +336,7 @@ class LeRobotRecorder:
             record = self._copy_row(views, int(row))
             if record is None:
                 continue
-            episode_id, episode = record
-            self._shared.record_gate.mark_recorded(int(row), episode_id)
+            _, episode = record
             copied += 1
             if episode is None:  # no frame: nothing a LeRobot episode could hold
                 self.episodes_empty += 1
@@ -350,8 +349,9 @@ class LeRobotRecorder:
         return copied
 
     def _copy_row(self, views: _RowViews, row: int) -> tuple[int, EpisodeRecord | None] | None:
-        """Copy one published row under its seqlock; ``None`` when it changed meanwhile (skip mode); the
-        episode is ``None`` when it has no frame (it still counts as copied: its row may be claimed)."""
+        """Copy one published row under its seqlock and mark it recorded; ``None`` when it changed meanwhile
+        or a claim counted it as skipped (skip mode); the episode is ``None`` when it has no frame (it still
+        counts as copied: its row may be claimed)."""
         version = int(views.version[row])
         episode_id = int(views.episode_id[row])
         if version & 1 or episode_id < 0:
@@ -359,7 +359,11 @@ class LeRobotRecorder:
         length = int(views.valid_frames[row])
         frames = {name: array[row, :length].copy() for name, array in views.payload.items()}
         meta = {name: array[row, :length].copy() for name, array in views.metadata.items()}
-        if int(views.version[row]) != version or int(views.episode_id[row]) != episode_id:
+
+        def unchanged() -> bool:
+            return int(views.version[row]) == version and int(views.episode_id[row]) == episode_id
+
+        if not self._shared.record_gate.settle(row, episode_id, unchanged, self._shared.raise_if_failed):
             return None
         if not length:
             return episode_id, None
