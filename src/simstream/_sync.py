@@ -10,6 +10,10 @@ bound on another one**.
   wedges whoever sets the event. A doorbell is a POSIX semaphore: ringing is one ``sem_post``; a sleeper
   waits with a timeout and then re-reads the state it cares about, so a lost or spurious ring is harmless.
 * :class:`SharedFlag` — a boolean in shared memory, read and written without any lock.
+* :class:`StopSignal` — a one-way "stop" for worker processes: a :class:`SharedFlag` and a
+  :class:`Doorbell`, with ``multiprocessing.Event``'s ``set``/``is_set``/``wait``. An event guards its flag
+  with a lock that ``is_set()`` takes too: a process killed or stopped while it holds that lock (it polls
+  the flag every step) wedges every other one, its owner's ``close()`` included.
 * :class:`SharedLock` — a mutual-exclusion lock held as an ``fcntl`` record lock: the kernel releases it
   when its holder dies, however it dies, so a killed holder can never leave it taken. Every acquisition is
   bounded in slices with a caller-supplied check between them (a stopped holder is waited for only as
@@ -36,7 +40,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing import context, reduction
 from typing import Any, ClassVar
 
-__all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock", "with_deadline"]
+__all__ = ["Doorbell", "ProcessSlots", "SharedFlag", "SharedLock", "StopSignal", "with_deadline"]
 
 _FLOCK = "@hhqqi4x"
 """Linux's ``struct flock`` (type, whence, start, length, pid), padded to its 32 bytes."""
@@ -154,6 +158,44 @@ class SharedFlag:
 
     def is_set(self) -> bool:
         return self._value.value != 0
+
+
+class StopSignal:
+    """Set once by the owner, read by workers: a lock-free stand-in for ``multiprocessing.Event``.
+
+    ``set()`` never blocks and ``is_set()`` is one shared-memory read, so no process's death or stop can
+    wedge another here. ``wait()`` sleeps on a doorbell that ``set()`` rings, and every sleeper it wakes
+    rings it again for the next one.
+
+    Examples:
+        >>> stop = StopSignal()
+        >>> stop.wait(0.0)
+        False
+        >>> stop.set(); stop.is_set(), stop.wait(0.0)
+        (True, True)
+    """
+
+    def __init__(self, ctx: Any = None) -> None:
+        self._flag = SharedFlag(ctx)
+        self._bell = Doorbell(ctx)
+
+    def set(self) -> None:
+        self._flag.set()
+        self._bell.ring()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Return ``True`` once set, or ``False`` after ``timeout`` seconds (``None``: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag.is_set():
+            remaining = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+            if remaining <= 0:
+                return False
+            if self._bell.wait(remaining):
+                self._bell.ring()  # one ring wakes one sleeper: pass it on
+        return True
 
 
 def _memfd(size: int) -> int:

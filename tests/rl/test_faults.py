@@ -202,3 +202,31 @@ def test_a_collector_killed_holding_the_ring_lock_is_reported_as_dead():
     finally:
         runner.close()
     assert mp.active_children() == []
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_a_collector_killed_or_stopped_while_it_waits_on_the_stop_signal_never_wedges_close(signal_name):
+    """The collector sleeps in ``stop_event.wait()`` between steps. A ``multiprocessing.Event`` there made
+    ``close()``'s ``set()`` wait forever for the dead (or stopped) sleeper to confirm its wake-up."""
+    import os
+    import signal
+    import threading
+
+    runner = ToyRunner(config=RunnerConfig(shutdown_timeout_s=1.0, hang_timeout_s=HANG_TIMEOUT_S))
+    closed = threading.Event()
+    try:
+        runner.learn(3)
+        os.kill(runner.collector_pid, getattr(signal, signal_name))
+        if signal_name == "SIGKILL":
+            with pytest.raises(CollectorDiedError, match=r"killed by signal 9 \(SIGKILL\)"):
+                runner.learn(10**9)
+        closer = threading.Thread(target=lambda: (runner.close(), closed.set()), daemon=True)
+        closer.start()
+        assert closed.wait(DETECTION_BOUND_S), "close() did not return"
+        report = runner.last_close_report
+        assert report.exitcode == -9 and not report.still_alive
+        assert report.forced == (signal_name == "SIGSTOP")  # a stopped collector is killed past its grace
+    finally:
+        if not closed.is_set() and runner.collector_pid is not None:
+            os.kill(runner.collector_pid, signal.SIGKILL)
+    assert mp.active_children() == []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any, TypeVar
 
+from .._sync import StopSignal
 from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
 from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
@@ -102,7 +103,7 @@ class AsyncRunner(ABC):
         self.runner_config = runner_config if runner_config is not None else RunnerConfig()
         self.device = device or self._get_default_device()
         self.collector_device = collector_device or self.device
-        self._stop_event = _SPAWN.Event()
+        self._stop_event = StopSignal(_SPAWN)
         self._shared_resources: list[Any] = []
         self._channel: ErrorChannel | None = None
         self._heartbeat: Heartbeat | None = None
