@@ -5,7 +5,9 @@ spawned collector imports this module (and registers the ids) before making the 
 fires only in a child process, after ``FAULT_AFTER_STEPS`` steps of the first environment, and first
 writes ``time.monotonic()`` (system-wide on Linux) to the file named by ``SIMSTREAM_RL_FAULT_STAMP``.
 The ``close`` fault instead fires in any process: the first ``close()`` of an environment that has stepped
-raises (a simulator that fails to release its resources).
+raises (a simulator that fails to release its resources). With ``slow_close`` the first environment's
+``close()`` in the collector writes the stamp, then takes ``SLOW_CLOSE_S`` (a simulator that flushes its
+logs): the learner is inside ``close()`` meanwhile.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ FAULTS = (
     "exit135",
     "hang",
     "close",
+    "slow_close",
 )
 FAULT_AFTER_STEPS = 40
 HUGE_HEAD, HUGE_TAIL = "HUGE-HEAD-MARK", "HUGE-TAIL-MARK"
+SLOW_CLOSE_S = 3.0
 
 
 class UnpicklableFaultError(Exception):
@@ -93,6 +97,10 @@ class FaultEnv(gym.Env):
         if self.fault == "close" and self.stepped:
             self.stepped = False  # once: a second close() (gymnasium's __del__) finds nothing to release
             raise OSError("FaultEnv.close could not release the simulator (injected)")
+        if self.fault == "slow_close" and self.stepped and in_child():
+            self.stepped = False
+            stamp()
+            time.sleep(SLOW_CLOSE_S)
         super().close()
 
 
@@ -101,7 +109,7 @@ _COUNT = {"steps": 0}
 
 def _maybe_fault(fault: str) -> None:
     _COUNT["steps"] += 1
-    if fault in ("none", "create", "nan", "close") or _COUNT["steps"] != FAULT_AFTER_STEPS:
+    if fault in ("none", "create", "nan", "close", "slow_close") or _COUNT["steps"] != FAULT_AFTER_STEPS:
         return
     stamp()
     if fault == "raise":

@@ -462,6 +462,45 @@ def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path)
     assert not (run_dir / "collector_crash.log").exists()
 
 
+def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(tmp_path):
+    """A SIGTERM while ``close()`` waited for the collector cut ``close()`` short (the collector was left to
+    the exit finalizer's terminate()) and exited 130, "interrupted"."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from simstream.cli.rl import EXIT_TERMINATED
+
+    root = Path(__file__).resolve().parents[2]
+    closing = tmp_path / "closing"  # written by the collector's environment as its close() begins
+    command = [
+        sys.executable, "-m", "simstream", "rl", "--env", env_id("slow_close"), "--num-envs", "1",
+        "--steps-per-rollout", "16", "--minibatch-size", "16", "--iterations", "2",
+        "--runs-dir", str(tmp_path), "--name", "run", "--no-progress",
+    ]  # fmt: skip
+    environment = {**os.environ, "PYTHONPATH": str(root), "SIMSTREAM_RL_FAULT_STAMP": str(closing)}
+    with open(tmp_path / "out.txt", "w") as out:
+        cli = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=environment)
+        try:
+            deadline = time.monotonic() + _SCRIPT_S
+            while not closing.exists():
+                assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
+                threading.Event().wait(0.05)
+            cli.send_signal(signal.SIGTERM)
+            code = cli.wait(timeout=60)
+        finally:
+            cli.kill()
+            cli.wait(30)
+    text = (tmp_path / "out.txt").read_text()
+    assert code == EXIT_TERMINATED, text[-3000:]
+    assert "simstream rl: terminated (SIGTERM)" in text
+    assert "did not exit in time" not in text, text[-3000:]  # the collector finished its close()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["close_errors"] == []
+    assert "exitcode=0" in summary["close_report"], summary["close_report"]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -155,7 +155,7 @@ def run(args: RLArgs) -> int:
     code = 0
     terminated: list[int] = []
     try:
-        with runner, sigterm_as_ctrl_c(terminated):
+        with sigterm_as_ctrl_c(terminated), runner:  # a SIGTERM during close() is a Ctrl-C too
             runner.learn(
                 args.iterations,
                 save_interval=args.save_interval,

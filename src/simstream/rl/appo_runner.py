@@ -381,9 +381,10 @@ class APPORunner(AsyncRunner):
 
     def close(self) -> CloseReport:
         """:meth:`AsyncRunner.close`; also copies the report's ``errors`` to ``last_run_summary``."""
-        report = super().close()
-        if self.last_run_summary is not None:
-            self.last_run_summary["close_errors"] = list(report.errors)
+        with ctrl_c_deferred():  # the base class's held Ctrl-C would land before the copy
+            report = super().close()
+            if self.last_run_summary is not None:
+                self.last_run_summary["close_errors"] = list(report.errors)
         return report
 
     # ------------------------------------------------------------------ state

@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 from .._sync import StopSignal
 from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
-from ..workers.supervisor import Heartbeat, WorkerSpec, WorkerSupervisor, refuse_in_preparing_child
+from ..workers.supervisor import (
+    Heartbeat,
+    WorkerSpec,
+    WorkerSupervisor,
+    ctrl_c_deferred,
+    refuse_in_preparing_child,
+)
 from .config import RunnerConfig
 from .crash_log import CrashLog
 from .diagnosis import CollectorHangError, format_collector_death, format_collector_hang
@@ -305,11 +311,18 @@ class AsyncRunner(ABC):
         ``max(shutdown_timeout_s, 1)`` s: a feeder thread blocked on a full pipe that nobody reads any more
         is reported as an error, and left behind (a daemon thread) rather than waited for forever.
 
+        A Ctrl-C (or a SIGTERM a command handles as one) meanwhile is held back until the collector is
+        reaped and every resource released, then delivered.
+
         Returns:
             The :class:`CloseReport` (also kept as ``last_close_report``).
         """
         if self.last_close_report is not None:
             return self.last_close_report
+        with ctrl_c_deferred():  # interrupted half-way, the collector would be left to the exit finalizer
+            return self._close()
+
+    def _close(self) -> CloseReport:
         if self._failure is None and self._supervisor is not None and self._channel.is_set():
             # a failure nobody has diagnosed yet (published after the last check): diagnose it while the
             # collector may still be alive, so a hang gets its stack dump and no grace, not a SIGTERM
