@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import threading
@@ -379,6 +380,20 @@ def test_learn_validates_its_arguments():
     runner = APPORunner(_tiny(mode="serial"))
     with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
         runner.learn(0)
+    for kwargs, message in (
+        ({"max_env_frames": "100"}, "APPORunner.learn.max_env_frames must be an int >= 1, got '100'"),
+        ({"max_env_frames": -1}, "APPORunner.learn.max_env_frames must be an int >= 1, got -1"),
+        ({"target_return": "5"}, "APPORunner.learn.target_return must be None or a finite number, got '5'"),
+        (
+            {"max_wall_s": math.nan},
+            "APPORunner.learn.max_wall_s must be None or a finite number > 0, got nan",
+        ),
+        ({"max_wall_s": "10"}, "APPORunner.learn.max_wall_s must be None or a finite number > 0, got '10'"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            runner.learn(1, **kwargs)
+        assert str(caught.value) == message
+    assert runner.iterations_done == 0  # refused before any update
     runner.close()
 
 
@@ -517,6 +532,8 @@ def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(
         ),
         (["--resume", "missing.pt"], "--resume 'missing.pt' is not a checkpoint file"),
         (["--num-envs", "0"], "num_envs must be"),
+        (["--num-envs", "100000"], "APPOConfig.num_envs must be an int in [1, 4096], got 100000"),
+        (["--learner-num-threads", "100000"], "APPOConfig.learner_num_threads must be an int in [0, "),
         (["--gamma", "1.5"], "APPOConfig.gamma must be a number in [0, 1], got 1.5 (option --gamma)"),
         (["--runner.hang-timeout-s", "0"], "RunnerConfig.hang_timeout_s must be a number in (0, 1e6]"),
         (["--name", ".."], "--name must be a folder name without '/', got '..'"),

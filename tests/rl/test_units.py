@@ -85,7 +85,11 @@ def test_collector_died_error_keeps_its_fields_and_pickles():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_envs": 0}, "APPOConfig.num_envs must be an int >= 1, got 0"),
+        ({"num_envs": 0}, "APPOConfig.num_envs must be an int in [1, 4096], got 0"),
+        ({"num_envs": 100_000}, "APPOConfig.num_envs must be an int in [1, 4096], got 100000"),
+        ({"seed": 2**64 - 16}, "APPOConfig.seed must be an int in [0, 9223372036854775807], got 1844674"),
+        ({"stats_window": 10**20}, "APPOConfig.stats_window must be an int in [1, 1000000], got 1000000"),
+        ({"learner_num_threads": 100_000}, "APPOConfig.learner_num_threads must be an int in [0, "),
         ({"num_slots": 1}, "APPOConfig.num_slots must be an int >= 2, got 1"),
         (
             {"overflow": "drop_newest"},

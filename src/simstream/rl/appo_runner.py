@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .._memory_order import require_ordered_memory
-from .._validation import require_int
+from .._validation import require_int, require_number
 from ..errors import CollectorDiedError
 from ..workers.supervisor import ctrl_c_deferred
 from .collector import (
@@ -206,6 +206,10 @@ class APPORunner(AsyncRunner):
         """
         require_int("APPORunner.learn", "max_iterations", max_iterations, 1)
         require_int("APPORunner.learn", "save_interval", save_interval, 0)
+        if max_env_frames is not None:
+            require_int("APPORunner.learn", "max_env_frames", max_env_frames, 1)
+        require_number("APPORunner.learn", "target_return", target_return, optional=True)
+        require_number("APPORunner.learn", "max_wall_s", max_wall_s, 0, low_open=True, optional=True)
         self._raise_if_closed()
         threads = torch.get_num_threads()
         if self.config.learner_num_threads:

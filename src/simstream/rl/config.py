@@ -6,13 +6,35 @@ at construction, naming the field and the accepted range, before any memory or p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from .._validation import require, require_choice, require_int, require_number
-from ..config import MAX_TIMEOUT_S
+from ..config import INT64_MAX, MAX_TIMEOUT_S
 
-__all__ = ["MODES", "APPOConfig", "Mode", "RunnerConfig"]
+__all__ = [
+    "MAX_NUM_ENVS",
+    "MAX_STATS_WINDOW",
+    "MODES",
+    "APPOConfig",
+    "Mode",
+    "RunnerConfig",
+    "max_learner_threads",
+]
+
+MAX_NUM_ENVS = 4096
+"""Environments one collector steps one after another (``SyncVectorEnv``): more would take minutes to
+build and to step once, and fail the collector's start-up as a hang instead of being refused here."""
+MAX_STATS_WINDOW = 1_000_000
+"""Most completed episodes the reported return averages (the window is a ``deque`` of that length)."""
+
+
+def max_learner_threads() -> int:
+    """The most torch threads the learner may ask for: 256, or this machine's CPUs when it has more (torch
+    and its OpenMP runtime crash when thread creation fails)."""
+    return max(256, os.cpu_count() or 1)
+
 
 Mode = Literal["async", "sync", "serial"]
 """How collection and learning interleave (see :attr:`APPOConfig.mode`)."""
@@ -120,18 +142,18 @@ class APPOConfig:
     def __post_init__(self) -> None:
         owner = "APPOConfig"
         require(isinstance(self.env_id, str) and bool(self.env_id), owner, "env_id", "a gym id", self.env_id)
-        for name, low in (
-            ("num_envs", 1),
-            ("steps_per_rollout", 1),
-            ("num_slots", 2),
-            ("num_epochs", 1),
-            ("minibatch_size", 1),
-            ("target_update_interval", 1),
-            ("learner_num_threads", 0),
-            ("stats_window", 1),
-            ("seed", 0),
+        for name, low, high in (
+            ("num_envs", 1, MAX_NUM_ENVS),
+            ("steps_per_rollout", 1, None),
+            ("num_slots", 2, None),
+            ("num_epochs", 1, None),
+            ("minibatch_size", 1, None),
+            ("target_update_interval", 1, None),
+            ("learner_num_threads", 0, max_learner_threads()),
+            ("stats_window", 1, MAX_STATS_WINDOW),
+            ("seed", 0, INT64_MAX),
         ):
-            require_int(owner, name, getattr(self, name), low)
+            require_int(owner, name, getattr(self, name), low, high)
         require_choice(owner, "overflow", self.overflow, ("block", "drop_oldest"))
         require_choice(owner, "weight_refresh", self.weight_refresh, ("step", "rollout"))
         require_choice(owner, "mode", self.mode, MODES)
