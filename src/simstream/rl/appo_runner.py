@@ -271,7 +271,7 @@ class APPORunner(AsyncRunner):
         taken, batch, episodes, timing, versions = self._next_batch()
         updated = time.perf_counter()
         lags = (self.policy_version - versions).flatten().tolist()
-        # A Ctrl-C waits for the update, its publication and its count (tens of milliseconds): landing
+        # A Ctrl-C waits for the update, its publication and its count (the update's steps): landing
         # inside, it left a model half-way between two versions that no checkpoint could label, and a sync
         # collector waiting for a version that was never published, so every later learn() timed out. The
         # bookkeeping that follows (microseconds) is held back too: a run interrupted there reported an
