@@ -280,6 +280,26 @@ def test_workers_with_large_results_exit_on_their_own_when_the_loop_stops_early(
         assert [worker.exitcode for worker in workers] == [0, 0]
 
 
+def test_cancel_join_thread_lets_close_skip_the_feeder(monkeypatch):
+    """A DataLoader worker calls ``cancel_join_thread()`` at shutdown: its ``close()`` (and its exit) must not
+    wait for a feeder stuck on a result pipe the trainer reads no more (it held every worker's exit, and
+    so the loader's shutdown, for 5 s). The wait is made far longer here than the test's bound."""
+    module = sys.modules[DirectQueue.__module__]  # the package exports a function of the same name
+
+    monkeypatch.setattr(module, "_CLOSE_WAIT_S", 600.0)
+    direct = DirectQueue(mp.get_context("fork"))
+    for _ in range(4):  # 4 MiB into a 64 KiB pipe nobody reads: the feeder blocks in its first write
+        direct.put(bytes(1 << 20))
+    feeder = direct._feeder
+    direct.cancel_join_thread()
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (direct.close(), closed.set()), daemon=True)
+    closer.start()
+    assert closed.wait(60), "close() waited for the blocked feeder"
+    feeder.join(60)  # with the read end closed too its write fails (EPIPE), and it ends
+    assert not feeder.is_alive()
+
+
 def _write_half_a_message_and_die(direct: DirectQueue) -> None:
     whole = ForkingPickler.dumps(bytes(100_000))
     os.write(direct._writer.fileno(), struct.pack("!i", len(whole)) + whole[:1000])

@@ -82,6 +82,8 @@ class DirectQueue:
         self._feeder: threading.Thread | None = None
         self._exiting = threading.Event()
         """Set at this process's exit: the feeder writes its backlog and stops."""
+        self._join_cancelled = threading.Event()
+        """Set by :meth:`cancel_join_thread`: closing and exiting do not wait for the feeder."""
         self._partial = bytearray()
         """Bytes of a message a timed-out ``get`` had begun to read."""
         self._poller: select.poll | None = None
@@ -112,7 +114,10 @@ class DirectQueue:
                     # for good, and no other worker could send again. multiprocessing runs this at the
                     # exit of the processes it starts (as Queue's own join of its feeder).
                     util.Finalize(
-                        self, _let_feeder_finish, args=(self._feeder, self._exiting), exitpriority=-5
+                        self,
+                        _let_feeder_finish,
+                        args=(self._feeder, self._exiting, self._join_cancelled),
+                        exitpriority=-5,
                     )
                 self._backlog_changed.notify()
                 return
@@ -193,6 +198,10 @@ class DirectQueue:
                     self._backlog.popleft()  # only now: puts meanwhile queue up behind this message
         except OSError:  # the pipe was closed (this end, or every reader): nobody will read the rest
             return
+        except Exception:
+            if self._closed:  # close() (its join cancelled) closed the pipe under a write in progress
+                return
+            raise
 
     def get(self, block: bool = True, timeout: float | None = None):
         """The next object; raises ``queue.Empty`` if none arrives within ``timeout`` (or at once).
@@ -229,22 +238,33 @@ class DirectQueue:
         if not self._closed:
             self._closed = True
             if self._pid == os.getpid():
-                _let_feeder_finish(self._feeder, self._exiting)
+                _let_feeder_finish(self._feeder, self._exiting, self._join_cancelled)
             self._reader.close()
             self._writer.close()
 
     def cancel_join_thread(self) -> None:
-        """No-op: the feeder thread (if any) is a daemon and stops once the queue is closed."""
+        """Close and exit without waiting for this process's feeder thread, as ``multiprocessing.Queue``.
+
+        A ``DataLoader`` worker calls it when the loader shuts down: the trainer reads no more results, so
+        a feeder blocked on the full pipe would hold the worker's exit for ``_CLOSE_WAIT_S``, and the
+        loader's shutdown with it. What the feeder had not written is dropped.
+        """
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        self._join_cancelled.set()
 
     def join_thread(self) -> None:
         """No-op, as after ``cancel_join_thread``: a backlog left at close is dropped (``DataLoader``
         closes its queues only when it shuts down)."""
 
 
-def _let_feeder_finish(feeder: threading.Thread | None, exiting: threading.Event) -> None:
-    """Have ``feeder`` write its backlog and stop; wait for it at most ``_CLOSE_WAIT_S``."""
+def _let_feeder_finish(
+    feeder: threading.Thread | None, exiting: threading.Event, join_cancelled: threading.Event
+) -> None:
+    """Have ``feeder`` write its backlog and stop; wait for it at most ``_CLOSE_WAIT_S`` (not at all once
+    :meth:`DirectQueue.cancel_join_thread` was called)."""
     exiting.set()
-    if feeder is not None and feeder is not threading.current_thread():
+    if feeder is not None and feeder is not threading.current_thread() and not join_cancelled.is_set():
         feeder.join(_CLOSE_WAIT_S)
 
 
