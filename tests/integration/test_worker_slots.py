@@ -167,6 +167,56 @@ def test_transforms_in_workers_travel_with_or_without_slot_views(worker_slots):
                 assert_whole_chunks(next(copies))
 
 
+def _annotate(td: TensorDict) -> TensorDict:
+    """What a transform may add besides tensors: a non-tensor entry, an empty sub-dict, dimension names."""
+    td.set_non_tensor("instruction", "pick the cube")
+    td["meta"] = TensorDict({}, batch_size=td.batch_size)
+    td.names = ["batch", "time"]
+    return td
+
+
+def _assert_annotated(batch: TensorDict, batch_size: tuple[int, int]) -> None:
+    assert batch.batch_size == torch.Size(batch_size)
+    assert batch.get_non_tensor("instruction") == "pick the cube"
+    assert "meta" in batch and batch["meta"].is_empty()
+    assert batch.names == ["batch", "time"]
+    assert_whole_chunks(batch)
+
+
+@pytest.mark.parametrize("worker_slots", [0, 6])
+def test_what_a_transform_adds_besides_tensors_reaches_the_trainer(worker_slots):
+    """A batch travelled as a bare slot reference when its tensors matched the slot's, and the trainer
+    rebuilt it from the slot's layout alone: non-tensor entries, empty sub-dicts and names were lost."""
+    with (
+        _refilling_engine() as engine,
+        _iterating(_loader(engine, worker_slots=worker_slots, transform=_annotate)) as iterator,
+    ):
+        for _ in range(6):
+            _assert_annotated(next(iterator), (8, 4))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_item_mode_collate_keeps_what_a_transform_adds_besides_tensors(workers):
+    """``stack(out=)`` fills only the keys of ``out``: the collate stacked the items without their
+    non-tensor entries, in the trainer and in workers alike."""
+    with _refilling_engine() as engine:
+        dataset = OnlineDataset(engine, chunk_size=4, seed=2, transform=_annotate_item)
+        context = {"multiprocessing_context": "fork"} if workers else {}
+        loader = dataset.loader(batch_size=3, num_workers=workers, **context)
+        with _iterating(loader) as iterator:
+            for _ in range(4):
+                batch = next(iterator)
+                assert batch[2, 3].get_non_tensor("instruction") == "pick the cube"  # stacked per frame
+                assert "meta" in batch and batch.batch_size == torch.Size([3, 4])
+                assert_whole_chunks(batch)
+
+
+def _annotate_item(td: TensorDict) -> TensorDict:
+    td.set_non_tensor("instruction", "pick the cube")
+    td["meta"] = TensorDict({}, batch_size=td.batch_size)
+    return td
+
+
 def test_without_slots_every_batch_is_fresh_memory():
     with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
         with _iterating(_loader(engine, worker_slots=0)) as iterator:

@@ -226,8 +226,8 @@ class OnlineDataset(IterableDataset):
     def collate_fn(items: list[TensorDict]) -> TensorDict:
         """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; a slot in workers)."""
         first = items[0] if items else None
-        if not isinstance(first, TensorDictBase):
-            return torch.stack(items)
+        if not isinstance(first, TensorDictBase) or not _tensors_only(first):
+            return torch.stack(items)  # stack(out=) keeps only the keys ``out`` has: non-tensors would go
         layout = BatchLayout.of(first, (len(items), *first.batch_size))
         out = layout.empty() if get_worker_info() is None else worker_batch(layout)
         try:
@@ -239,6 +239,22 @@ class OnlineDataset(IterableDataset):
     def passthrough_collate_fn(batch: TensorDict) -> TensorDict:
         """Batch mode: the dataset already yields whole batches."""
         return batch
+
+
+def _tensors_only(item: TensorDictBase) -> bool:
+    """Whether a :class:`BatchLayout` of ``item`` rebuilds all of it: every entry a tensor or a sub-dict on
+    the way to one (no non-tensor entry, no empty sub-dict), and no dimension names."""
+    leaves = [
+        (key if isinstance(key, tuple) else (key,), leaf)
+        for key, leaf in item.items(include_nested=True, leaves_only=True)
+    ]
+    implied = {path[:depth] for path, _ in leaves for depth in range(1, len(path) + 1)}
+    every = {key if isinstance(key, tuple) else (key,) for key in item.keys(include_nested=True)}
+    return (
+        every == implied
+        and all(type(leaf) is torch.Tensor for _, leaf in leaves)
+        and all(name is None for name in item.names)
+    )
 
 
 def _selected_paths(buffer: TensorDict, keys: object) -> list[tuple[str, ...]]:

@@ -149,7 +149,7 @@ class WorkerSlots:
         anchor = shared_arena(layout.nbytes)
         slot = _Slot(layout, anchor, layout.carve(anchor), 0 if old is None else old.generation + 1)
         batch = layout.tensordict(slot.leaves)
-        slot.signature = _signature(list(batch.items(include_nested=True, leaves_only=True)))
+        slot.signature = _signature(batch)
         del batch
         slot.baseline = _counts(anchor)
         self._slots[index] = slot
@@ -201,19 +201,24 @@ class WorkerSlots:
         if index is None:
             return None
         slot = self._slots[index]
-        if batch.batch_size != slot.layout.batch_shape or _signature(items) != slot.signature:
+        if batch.batch_size != slot.layout.batch_shape or _signature(batch, items) != slot.signature:
             return None
         return (_receive_slot_batch, self._handover(index, whole_batch=True))
 
 
-def _signature(items: list[tuple[object, object]]) -> list[tuple | None]:
-    """Per leaf of a batch: key, address, shape, strides and dtype (``None`` for a leaf no slot holds)."""
-    return [
+def _signature(batch: TensorDict, items: list[tuple[object, object]] | None = None) -> list[object]:
+    """Every key of a batch (non-tensor entries and empty sub-dicts too), its dimension names, and per
+    tensor leaf its key, address, shape, strides and dtype (``None`` for a leaf no slot holds): a batch
+    with anything the slot's layout cannot rebuild must travel by value."""
+    if items is None:
+        items = list(batch.items(include_nested=True, leaves_only=True))
+    leaves = [
         (key, leaf.data_ptr(), leaf.shape, leaf.stride(), leaf.dtype)
         if type(leaf) is torch.Tensor and not leaf.requires_grad
         else None
         for key, leaf in items
     ]
+    return [list(batch.keys(include_nested=True)), list(batch.names), *leaves]
 
 
 _WORKER_SLOTS: WorkerSlots | None = None
