@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from simstream import OnlineDataEngine
-from simstream.data import OnlineDataset, UniformChunkSampler
+from simstream.data import ChunkSizeSampler, OnlineDataset, UniformChunkSampler
 from tests.support.engines import make_cfg
 from tests.support.sources import ScriptedSpec
 
@@ -139,3 +139,50 @@ def test_dataset_argument_errors():
             ValueError, match=rf"^seed must be None or an int in \[0, 2\*\*63 - 1\], got {seed!r}\.$"
         ):
             OnlineDataset(None, chunk_size=2, seed=seed)
+
+
+class _ChoiceSampler(ChunkSizeSampler):
+    """Written against the reference's abstract class, which had no ``__init__``: none is called here."""
+
+    def __init__(self, sizes) -> None:
+        self.sizes = sizes
+
+    def __call__(self):
+        return self.sizes[0]
+
+    def __repr__(self) -> str:
+        return f"_ChoiceSampler({self.sizes})"
+
+
+@pytest.mark.parametrize(("seed", "workers"), [(None, 0), (3, 0), (None, 1)])
+def test_a_custom_chunk_sampler_need_not_call_the_base_init(seed, workers):
+    """Reseeding it (with a seed, or in every worker) raised AttributeError: no ``_rng``."""
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        dataset = OnlineDataset(engine, chunk_size=_ChoiceSampler([3]), batch_size=4, seed=seed)
+        context = {"multiprocessing_context": "fork"} if workers else {}
+        iterator = iter(dataset.loader(num_workers=workers, **context))
+        try:
+            assert next(iterator).batch_size == torch.Size([4, 3])
+        finally:
+            if workers:
+                iterator._shutdown_workers()
+
+
+@pytest.mark.parametrize("batch_size", [4, None])
+@pytest.mark.parametrize("size", [4.0, 0, 10_000, True])
+def test_a_chunk_size_a_custom_sampler_draws_is_checked_naming_it(size, batch_size):
+    """In batch-mode workers a float was a TypeError from allocating the batch, before any check."""
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        steps = engine.max_episode_steps
+        dataset = OnlineDataset(engine, chunk_size=_ChoiceSampler([size]), batch_size=batch_size, seed=1)
+        iterator = iter(dataset.loader(batch_size=None if batch_size else 2, num_workers=1))
+        try:
+            with pytest.raises(ValueError) as caught:
+                next(iterator)
+        finally:
+            iterator._shutdown_workers()
+    message = (
+        f"OnlineDataset.chunk_size: _ChoiceSampler([{size!r}]) drew {size!r}; a chunk size must be an int in "
+        f"[1, {steps}] (the engine's max_episode_steps)"
+    )
+    assert message in str(caught.value)

@@ -22,8 +22,15 @@ class ChunkSizeSampler(ABC):
         self._rng = random.Random(seed)
 
     def seed(self, seed: int | None) -> None:
-        """Reseed (``DataLoader`` workers call this with a per-worker seed)."""
-        self._rng.seed(seed)
+        """Reseed (``DataLoader`` workers call this with a per-worker seed).
+
+        A subclass whose ``__init__`` does not call this class's gets its ``_rng`` here.
+        """
+        rng = self.__dict__.get("_rng")
+        if rng is None:
+            self._rng = random.Random(seed)
+        else:
+            rng.seed(seed)
 
     @abstractmethod
     def __call__(self) -> int: ...

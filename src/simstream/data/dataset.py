@@ -15,6 +15,7 @@ new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineD
 from __future__ import annotations
 
 import gc
+import numbers
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -127,9 +128,15 @@ class OnlineDataset(IterableDataset):
         self._paths = None if keys is None else _selected_paths(engine.shared_buffer, keys)
 
     def _draw_chunk_size(self) -> int:
-        if isinstance(self.chunk_size, ChunkSizeSampler):
-            return self.chunk_size()
-        return self.chunk_size
+        if not isinstance(self.chunk_size, ChunkSizeSampler):
+            return self.chunk_size
+        size, steps = self.chunk_size(), self.engine.max_episode_steps
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 1 <= size <= steps:
+            raise ValueError(
+                f"OnlineDataset.chunk_size: {self.chunk_size!r} drew {size!r}; a chunk size must be an int "
+                f"in [1, {steps}] (the engine's max_episode_steps)"
+            )
+        return int(size)
 
     def _generator(self) -> torch.Generator:
         info = get_worker_info()
