@@ -78,6 +78,11 @@ def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
             r"key_map names field(s) ['obs/nope'] that the source does not",
         ),
         (["--task", "juggle"], "juggle"),
+        (
+            ["--ray-address", "auto"],
+            "RecordArgs.ray_address must be None unless backend is 'ray', got 'auto'",
+        ),
+        (["--backend", "ray", "--ray-address", "ray://head:10001"], "RecordArgs.ray_address"),
         (  # before any episode is recorded
             ["--out", "/proc/simstream-dataset"],
             "RecordArgs.out cannot be written: '/proc/simstream-dataset' "

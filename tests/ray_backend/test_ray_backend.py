@@ -442,6 +442,23 @@ def test_stream_command_runs_its_producers_as_ray_actors(cluster):
     assert "1 producer(s) as Ray actors" in result.stdout and "batches/s" in result.stdout
 
 
+def test_record_command_runs_its_producers_as_ray_actors(cluster, tmp_path):
+    import ray
+
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    out = tmp_path / "ds"
+    command = [sys.executable, "-m", "simstream", "record", "--backend", "ray", "--episodes", "2"]
+    command += ["--num-workers", "1", "--out", str(out)]
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = read_dataset_meta(out)
+    assert meta.info["total_episodes"] == 2 and meta.info["fps"] == 20
+    assert all(int(episode["length"]) > 0 for episode in meta.episodes)
+
+
 def test_script_that_never_stops_its_engine_closes_the_sources_at_exit(cluster):
     import ray
 

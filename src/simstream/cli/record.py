@@ -54,6 +54,12 @@ class RecordArgs:
     """Row capacity at 20 Hz."""
     buffer_size: int | None = None
     """Episodes in the shared buffer; default ``8 * num_workers``."""
+    backend: Literal["local", "ray"] = "local"
+    """Where producers run: ``local`` processes or ``ray`` actors (``docs/scale-out.md``); the recorder
+    runs here either way, beside the shared buffer."""
+    ray_address: str | None = None
+    """With ``--backend ray``: the cluster to join (``auto``, ``host:port``); default: ``RAY_ADDRESS``,
+    else a Ray instance started on this machine."""
 
     def __post_init__(self) -> None:
         require_int("RecordArgs", "episodes", self.episodes, 1)
@@ -64,6 +70,9 @@ class RecordArgs:
         require_int("RecordArgs", "max_episode_steps", self.max_episode_steps, 100)
         require_int("RecordArgs", "seed", self.seed, 0, 2**63 - 1)
         require_writable("RecordArgs", "out", self.out, folder=True)
+        from simstream.ray.backend import backend_from_flags  # no ray import: the flags' rules only
+
+        backend_from_flags("RecordArgs", self.backend, self.ray_address)
 
 
 PROGRESS_EVERY_S = 0.25
@@ -107,6 +116,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
     from simstream.lerobot import KeyMap, LeRobotRecorder
     from simstream.lerobot.writer import check_dataset_folder
+    from simstream.ray.backend import backend_from_flags
     from simstream.tasks import make_source
 
     out = Path(args.out)
@@ -121,6 +131,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         num_workers=args.num_workers,
         refill_policy="manual",
         seed=args.seed,
+        backend=backend_from_flags("RecordArgs", args.backend, args.ray_address),
     )
     cfg.validate()
     torch.set_num_threads(1)
