@@ -193,3 +193,51 @@ def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
     assert report.exitcodes == {"interrupted": 0}
     # its return, unasked for, is all the monitor saw: no KeyboardInterrupt
     assert str(channel.error()) == "interrupted died with exit code 0"
+
+
+@pytest.mark.parametrize("own_process_group", [True, False])
+def test_what_a_group_leading_worker_left_running_is_killed_at_shutdown(own_process_group):
+    """A worker with ``own_process_group`` leads a group; the processes it started stay in it, and once
+    the worker has died the shutdown kills them. Without it they are left alone (the owner's group)."""
+    import os
+    import signal
+
+    ctx = mp.get_context("forkserver")
+    channel, started = ErrorChannel(ctx), ctx.RawValue("i", 0)
+    supervisor = _supervisor(ctx, channel, None)
+    spec = WorkerSpec("leader", "tests.support.workers:start_a_child_and_die", (started,), own_process_group)
+    supervisor.start([spec])
+    leader = supervisor.processes["leader"].pid
+    supervisor.processes["leader"].join(60)
+    child = started.value
+    assert child > 0
+    try:
+        assert os.getpgid(child) == (leader if own_process_group else os.getpgid(0))
+        report = supervisor.shutdown(5.0)
+        assert report.exitcodes == {"leader": -signal.SIGKILL}
+        if own_process_group:
+            assert _gone_within(child, 20.0)
+        else:
+            assert not _gone_within(child, 0.0)  # the owner's to stop (here: the finally below)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _gone_within(pid: int, bound_s: float) -> bool:
+    """Whether ``pid`` ended (or is a zombie) within ``bound_s``; polls /proc in 10-ms steps."""
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(") ", 1)[1][0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        threading.Event().wait(0.01)

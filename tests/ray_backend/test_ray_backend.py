@@ -376,6 +376,61 @@ def test_a_stop_while_the_ingest_starts_its_own_cluster_waits_for_it_and_stays_c
     assert "did not exit in time" not in result.stderr, result.stderr[-3000:]
 
 
+_INGEST_KILLED_WITH_ITS_CLUSTER = """
+import os, signal, sys
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.ray import RayBackend
+from tests.ray_backend.conftest import _descendants, wait_for
+from tests.support.sources import ScriptedSpec
+
+if __name__ == "__main__":
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4, num_workers=1, refill_policy="manual",
+                              shutdown_timeout=1.0, initialization_timeout=120.0,
+                              backend=RayBackend(address="local", num_cpus=1))
+    engine = OnlineDataEngine(cfg)
+    engine.start()
+    ingest = engine._supervisor.processes["ray-ingest"].pid
+    started = _descendants(ingest)  # the cluster its ray.init started: GCS, raylet, agents, workers
+    assert any("raylet" in name for name in started.values()), started
+    os.kill(ingest, signal.SIGKILL)  # the OOM killer, say: nothing of Ray's own shutdown runs
+    try:
+        engine.stop()
+    except RuntimeError as error:
+        print("FAILED:", str(error).splitlines()[0], flush=True)
+
+    def alive() -> dict:
+        left = {}
+        for pid, name in started.items():
+            try:
+                with open(f"/proc/{pid}/stat") as handle:
+                    if handle.read().rsplit(") ", 1)[1][0] != "Z":
+                        left[pid] = name
+            except OSError:
+                pass
+        return left
+
+    wait_for(lambda: not alive(), "the killed ingest's cluster to end", 20)  # its agents took ~60 s
+    print("CLEAN", len(started), flush=True)
+"""
+
+
+def test_an_ingest_killed_with_the_cluster_it_started_leaves_no_ray_process(cluster, tmp_path):
+    """A SIGKILLed ingest runs none of Ray's shutdown: its GCS and raylet end on their own, but the
+    dashboard and runtime-env agents lived on for a minute. The ingest leads a process group of its own,
+    which the owner's stop() kills."""
+    script = tmp_path / "ingest_killed.py"
+    script.write_text(_INGEST_KILLED_WITH_ITS_CLUSTER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=150, check=False,
+        env={**env, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "FAILED: OnlineDataEngine simulation worker exited unexpectedly (exit code -9" in result.stdout
+    assert "CLEAN" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
 _OWNER_KILLED_SCRIPT = """
 import multiprocessing as mp, sys, threading
 import ray

@@ -35,3 +35,13 @@ def expect_unpickled(value, ran) -> None:
     if value != "unpickled":
         raise AssertionError(f"argument arrived as {value!r}")
     ran.set()
+
+
+def start_a_child_and_die(started) -> None:
+    """Start a process that would run for ten minutes, report its pid, then die by SIGKILL: the child is
+    left behind (what a killed Ray ingest leaves of the cluster it started)."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    started.value = child.pid  # shared memory: visible at once, unlike a queue's feeder thread
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -428,6 +428,8 @@ def _ray_ingest_spec(shared, cfg, num_envs: int, joining) -> WorkerSpec:
         label="ray-ingest",
         target="simstream.ray.ingest:run_ingest",
         args=(shared, pickle.dumps(cfg), spec_bytes, num_envs, address, joining),
+        # a local cluster its ray.init starts (GCS, raylet, agents) would outlive an ingest SIGKILLed
+        own_process_group=True,
     )
 
 

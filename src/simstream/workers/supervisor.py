@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import select
 import signal
 import threading
@@ -60,6 +61,7 @@ def worker_entry(
     heartbeat: Heartbeat | None,
     index: int,
     entered: EntryFlags | None = None,
+    own_process_group: bool = False,
 ) -> None:
     """Top-level body of every worker process.
 
@@ -73,6 +75,8 @@ def worker_entry(
     # The worker began with SIGINT blocked (see WorkerSupervisor.start); once ignored, a pending one is void.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if own_process_group:  # before it starts anything: all of that joins the group (WorkerSpec)
+        os.setpgid(0, 0)
     if entered is not None:
         entered.mark(index)
     try:
@@ -192,6 +196,11 @@ class WorkerSpec:
     label: str
     target: str
     args: tuple = ()
+    own_process_group: bool = False
+    """The worker leads a process group of its own, which the processes it starts join (unless they move
+    to another), and the supervisor SIGKILLs what is left of that group once the worker has exited: what
+    the worker started and could not stop itself because it was killed (the Ray ingest's local cluster).
+    The group gets no Ctrl-C from the terminal either; the owner stops the worker."""
 
 
 @dataclass
@@ -244,6 +253,8 @@ class WorkerSupervisor:
         self._on_exit = on_exit
         self._processes: dict[str, mp.process.BaseProcess] = {}
         self._indices: dict[str, int] = {}
+        self._group_leaders: dict[str, int] = {}
+        """label -> pid of the workers that lead a process group (``WorkerSpec.own_process_group``)."""
         self._entered: EntryFlags | None = None
         self._exits = select.poll()
         """Every worker's sentinel: one ``poll(2)`` tells whether any exited (see :meth:`dead_workers`)."""
@@ -272,7 +283,16 @@ class WorkerSupervisor:
         for index, spec in enumerate(specs):
             process = self._ctx.Process(
                 target=worker_entry,
-                args=(spec.target, spec.args, self._channel, spec.label, self._heartbeat, index, entered),
+                args=(
+                    spec.target,
+                    spec.args,
+                    self._channel,
+                    spec.label,
+                    self._heartbeat,
+                    index,
+                    entered,
+                    spec.own_process_group,
+                ),
                 name=spec.label,
                 daemon=self._daemon,
             )
@@ -282,6 +302,8 @@ class WorkerSupervisor:
                 process.start()  # registered only once started: shutdown() joins what it holds
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
+                if spec.own_process_group:
+                    self._group_leaders[spec.label] = process.pid
                 self._exits.register(process.sentinel, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
@@ -360,6 +382,10 @@ class WorkerSupervisor:
         with self._status_lock:
             report.exitcodes = {label: p.exitcode for label, p in self._processes.items()}
             report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
+        for label, leader in list(self._group_leaders.items()):
+            if label not in report.still_alive:
+                _kill_group(leader)
+                del self._group_leaders[label]
         report.monitor_stopped = self.stop_monitor()
         if not report.still_alive and report.monitor_stopped:
             with self._status_lock:
@@ -393,6 +419,13 @@ class WorkerSupervisor:
                 return False
             self._monitor = None
         return True
+
+
+def _kill_group(leader: int) -> None:
+    """SIGKILL what is left of the process group ``leader`` led (it has exited and was reaped: while the
+    group has members the kernel does not hand its number out again, and with none there is nothing)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 def _monitor_workers(
