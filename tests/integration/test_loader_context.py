@@ -483,3 +483,52 @@ def test_a_worker_that_exits_without_closing_lets_its_feeder_finish_first():
     finally:
         child.join(30)
         direct.close()
+
+
+_TRAINER = """
+import sys, threading
+from simstream import OnlineDataEngine
+from simstream.data import OnlineDataset
+from tests.support.engines import make_cfg
+from tests.support.sources import ScriptedSpec
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(make_cfg(ScriptedSpec(lengths=(20, 9)), buffer_size=6, refill_threshold=1))
+    engine.start()
+    dataset = OnlineDataset(engine, chunk_size=4, batch_size=8, seed=3)
+    iterator = iter(dataset.loader(num_workers=2, multiprocessing_context=sys.argv[1], timeout=60))
+    next(iterator)
+    print(" ".join(str(worker.pid) for worker in iterator._workers), flush=True)
+    threading.Event().wait(600)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_end_with_a_killed_trainer(method, tmp_path):
+    """Under forkserver the workers' parent is the fork server, which they keep alive: torch's check of
+    the parent pid never fired, and the workers of a SIGKILLed trainer ran forever."""
+    from tests.support.processes import wait_for_exit
+
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), method], cwd=root, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": root},
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        workers = [int(pid) for pid in trainer.stdout.readline().split()]
+        assert len(workers) == 2, "the trainer did not start its loader"
+        trainer.kill()
+        trainer.wait(30)
+        wait_for_exit(workers, 20.0, "the dead trainer's DataLoader workers")  # torch's own check: 5 s
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+        trainer.stdout.close()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
