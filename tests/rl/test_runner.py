@@ -477,9 +477,11 @@ def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path)
     assert not (run_dir / "collector_crash.log").exists()
 
 
-def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(tmp_path, sigint_ignored):
     """A SIGTERM while ``close()`` waited for the collector cut ``close()`` short (the collector was left to
-    the exit finalizer's terminate()) and exited 130, "interrupted"."""
+    the exit finalizer's terminate()) and exited 130, "interrupted". With SIGINT ignored (a background job
+    of a non-interactive shell) the held SIGTERM, re-raised as a SIGINT, vanished: exit 0."""
     import signal
     import subprocess
     import sys
@@ -496,7 +498,10 @@ def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(
     ]  # fmt: skip
     environment = {**os.environ, "PYTHONPATH": str(root), "SIMSTREAM_RL_FAULT_STAMP": str(closing)}
     with open(tmp_path / "out.txt", "w") as out:
-        cli = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=environment)
+        cli = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=environment,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+        )  # fmt: skip
         try:
             deadline = time.monotonic() + _SCRIPT_S
             while not closing.exists():

@@ -93,3 +93,27 @@ def test_a_sigterm_while_a_command_is_imported_is_one_line_and_exit_143(monkeypa
     assert cli.main(["record", "--episodes", "1"]) == 143
     assert capsys.readouterr().err == "\nsimstream record: terminated (SIGTERM)\n"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("sigint", ["ignored", "handled"])
+def test_a_sigterm_inside_nested_deferred_blocks_is_held_then_raised(sigint):
+    """A SIGTERM turned into a Ctrl-C while Ctrl-C is held back (``close()`` of a runner, nested) waits
+    for the blocks, then raises KeyboardInterrupt, also where SIGINT is ignored (it vanished there)."""
+    import signal
+
+    from simstream.cli._report import sigterm_as_ctrl_c
+    from simstream.workers.supervisor import ctrl_c_deferred
+
+    handler = signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, handler)
+    terminated, finished = [], []
+    try:
+        with pytest.raises(KeyboardInterrupt), sigterm_as_ctrl_c(terminated), ctrl_c_deferred():
+            with ctrl_c_deferred():
+                signal.raise_signal(signal.SIGTERM)
+                finished.append("inner")
+            finished.append("outer")
+        assert finished == ["inner", "outer"] and terminated == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

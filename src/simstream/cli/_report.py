@@ -71,9 +71,14 @@ def sigterm_as_ctrl_c(terminated: list[int]) -> Iterator[None]:
 
     def on_sigterm(number, frame) -> None:
         terminated.append(number)
-        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        handler = signal.getsignal(signal.SIGINT)
+        interrupt = getattr(handler, "interrupt", None)
+        if interrupt is not None:  # a Ctrl-C is held back (ctrl_c_deferred): held too, then raised
+            interrupt()
+        elif handler in (signal.SIG_IGN, signal.SIG_DFL, None):
             raise KeyboardInterrupt
-        signal.raise_signal(signal.SIGINT)
+        else:
+            signal.raise_signal(signal.SIGINT)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:

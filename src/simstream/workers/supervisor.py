@@ -486,14 +486,31 @@ def sigint_handled(handler) -> Iterator[None]:
 @contextlib.contextmanager
 def ctrl_c_deferred() -> Iterator[None]:
     """Hold a Ctrl-C back until the block is done, then deliver it to the handler in place (main thread;
-    elsewhere the block runs as it is, since no Ctrl-C lands in another thread)."""
+    elsewhere the block runs as it is, since no Ctrl-C lands in another thread).
+
+    Code that turns another signal into a Ctrl-C (a command's SIGTERM) calls the holder's ``interrupt()``
+    instead of raising SIGINT: held the same way, it is then raised as ``KeyboardInterrupt`` even where
+    SIGINT itself is ignored (a background job), where a re-raised SIGINT would vanish.
+    """
     held: list[int] = []
+    forced: list[bool] = []
+
+    def hold(number, frame) -> None:
+        held.append(number)
+
+    hold.interrupt = lambda: (forced.append(True), held.append(signal.SIGINT))  # type: ignore[attr-defined]
     try:
-        with sigint_handled(lambda number, frame: held.append(number)):
+        with sigint_handled(hold):
             yield
     finally:
         if held:
-            signal.raise_signal(signal.SIGINT)
+            handler = signal.getsignal(signal.SIGINT)
+            if forced and getattr(handler, "interrupt", None) is not None:
+                handler.interrupt()  # an enclosing ctrl_c_deferred: held there too, still forced
+            elif forced and not callable(handler):
+                raise KeyboardInterrupt
+            else:
+                signal.raise_signal(signal.SIGINT)
 
 
 @contextlib.contextmanager
