@@ -211,6 +211,28 @@ def test_item_mode_collate_keeps_what_a_transform_adds_besides_tensors(workers):
                 assert_whole_chunks(batch)
 
 
+def _on_cpu_and_locked(td: TensorDict) -> TensorDict:
+    return td.to("cpu").lock_()
+
+
+def test_a_batch_s_device_and_lock_reach_the_trainer():
+    with _refilling_engine() as engine, _iterating(_loader(engine, transform=_on_cpu_and_locked)) as iterator:
+        for _ in range(4):
+            batch = next(iterator)
+            assert batch.device == torch.device("cpu") and batch.is_locked
+            assert_whole_chunks(batch)
+
+
+def test_collating_items_that_differ_in_keys_fails_as_torch_stack_does():
+    """Only the first item was looked at: a later item's non-tensor entry was dropped without a word."""
+    first = TensorDict({"obs": torch.zeros(4, 2)}, [4])
+    second = first.clone()
+    second.set_non_tensor("instruction", "pick the cube")
+    with pytest.raises(RuntimeError, match="The sets of keys in the tensordicts to stack are exclusive"):
+        OnlineDataset.collate_fn([first, second])
+    assert OnlineDataset.collate_fn([first, first.clone()]).batch_size == torch.Size([2, 4])
+
+
 def _annotate_item(td: TensorDict) -> TensorDict:
     td.set_non_tensor("instruction", "pick the cube")
     td["meta"] = TensorDict({}, batch_size=td.batch_size)

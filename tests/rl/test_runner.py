@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -381,8 +382,18 @@ def test_learn_validates_its_arguments():
     with pytest.raises(ValueError, match="max_iterations must be an int >= 1, got 0"):
         runner.learn(0)
     for kwargs, message in (
-        ({"max_env_frames": "100"}, "APPORunner.learn.max_env_frames must be an int >= 1, got '100'"),
-        ({"max_env_frames": -1}, "APPORunner.learn.max_env_frames must be an int >= 1, got -1"),
+        (
+            {"max_env_frames": "100"},
+            "APPORunner.learn.max_env_frames must be None or a whole number >= 1, got '100'",
+        ),
+        (
+            {"max_env_frames": -1},
+            "APPORunner.learn.max_env_frames must be None or a whole number >= 1, got -1",
+        ),
+        (
+            {"max_env_frames": 2.5},
+            "APPORunner.learn.max_env_frames must be None or a whole number >= 1, got 2.5",
+        ),
         ({"target_return": "5"}, "APPORunner.learn.target_return must be None or a finite number, got '5'"),
         (
             {"max_wall_s": math.nan},
@@ -394,6 +405,8 @@ def test_learn_validates_its_arguments():
             runner.learn(1, **kwargs)
         assert str(caught.value) == message
     assert runner.iterations_done == 0  # refused before any update
+    assert runner.learn(1, max_env_frames=2e5)["iterations"] == 1  # a float or NumPy count is a count
+    assert runner.learn(1, max_env_frames=np.int64(200_000))["iterations"] == 2  # the runner's total
     runner.close()
 
 

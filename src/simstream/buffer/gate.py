@@ -8,9 +8,10 @@ is attached in ``"wait"`` mode, waits until every row about to be claimed is rec
 
 ``skipped[r]`` and ``waited_ns[r]`` (how long claims starting at row ``r`` waited for the recorder) have
 one writer each (the producer owning row ``r``); ``recorded[r]`` is the recorder's, except in ``"skip"``
-mode. There a claim never waits: it counts the unrecorded episode it overwrites in ``skipped`` and marks it
-as settled in ``recorded``, under a lock that the recorder also takes to settle a copy
-(:meth:`RecordGate.settle`), so an episode whose copy completes while a claim overtakes it is counted as
+mode. There a claim never waits for the recorder's copies: it counts the unrecorded episode it
+overwrites in ``skipped`` and marks it as settled in ``recorded``, under a lock that the recorder also
+takes (for microseconds) to settle a copy (:meth:`RecordGate.settle`), so an episode whose copy
+completes while a claim overtakes it is counted as
 recorded or as skipped, never both. The wait
 is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a producer's stop check
 raises once the engine closes or its owner is gone); a recorder that detaches (closes, or its thread fails)
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._sync import Doorbell, SharedLock
+from .._sync import Doorbell, SharedLock, with_deadline
 
 __all__ = ["RecordGate"]
 
@@ -39,6 +40,8 @@ _OFF, _WAIT, _SKIP = 0, 1, 2
 _MODES = {"off": _OFF, "wait": _WAIT, "skip": _SKIP}
 _FIRST_SLICE_S, _LAST_SLICE_S = 0.001, 0.02
 """A waiting claim sleeps 1 ms, then twice as long each time, up to 20 ms."""
+_STOPPED_HOLDER_S = 30.0
+"""A wait for the settle lock fails (``TimeoutError``) once its holder has been stopped this long."""
 
 
 class RecordGate:
@@ -106,7 +109,8 @@ class RecordGate:
                 return False
             self.recorded[row] = episode_id
             return True
-        with self._settle_lock.held(check):
+        bounded = with_deadline(check, _STOPPED_HOLDER_S, "The record gate's settle lock", self._settle_lock)
+        with self._settle_lock.held(bounded):
             if int(self.recorded[row]) >= episode_id or not unchanged():
                 return False
             self.recorded[row] = episode_id
@@ -133,7 +137,8 @@ class RecordGate:
     def _skip(self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None) -> None:
         """Count the unrecorded episodes of rows ``[start, end)`` as skipped and settle them, under the
         lock :meth:`settle` takes: a copy the recorder has not settled yet is then discarded."""
-        with self._settle_lock.held(check):
+        bounded = with_deadline(check, _STOPPED_HOLDER_S, "The record gate's settle lock", self._settle_lock)
+        with self._settle_lock.held(bounded):  # held by the others for microseconds
             ids = episode_id[start:end]
             recorded = self.recorded[start:end]
             pending = ids > recorded

@@ -153,12 +153,14 @@ class OnlineDataset(IterableDataset):
     def _draw_chunk_size(self) -> int:
         if not isinstance(self.chunk_size, ChunkSizeSampler):
             return self.chunk_size
-        size, steps = self.chunk_size(), self.engine.max_episode_steps
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 1 <= size <= steps:
-            raise ValueError(
-                f"OnlineDataset.chunk_size: {self.chunk_size!r} drew {size!r}; a chunk size must be an int "
-                f"in [1, {steps}] (the engine's max_episode_steps)"
+        size, steps = self.chunk_size(), getattr(self.engine, "max_episode_steps", None)
+        ok = not isinstance(size, bool) and isinstance(size, numbers.Integral) and size >= 1
+        if not ok or (steps is not None and size > steps):
+            accepted = (
+                "an int >= 1" if steps is None else f"an int in [1, {steps}] (the engine's max_episode_steps)"
             )
+            drew = f"OnlineDataset.chunk_size: {self.chunk_size!r} drew {size!r}"
+            raise ValueError(f"{drew}; a chunk size must be {accepted}")
         return int(size)
 
     def _generator(self) -> torch.Generator:
@@ -258,6 +260,9 @@ class OnlineDataset(IterableDataset):
         first = items[0] if items else None
         if not isinstance(first, TensorDictBase) or not _tensors_only(first):
             return torch.stack(items)  # stack(out=) keeps only the keys ``out`` has: non-tensors would go
+        keys = list(first.keys(include_nested=True))
+        if any(list(item.keys(include_nested=True)) != keys for item in items[1:]):
+            return torch.stack(items)  # it raises for items that do not match, as the default collate
         layout = BatchLayout.of(first, (len(items), *first.batch_size))
         out = layout.empty() if get_worker_info() is None else worker_batch(layout)
         try:

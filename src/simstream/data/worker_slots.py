@@ -35,7 +35,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from tensordict._reductions import _reduce_td as _tensordict_reduce
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
 
@@ -207,9 +207,10 @@ class WorkerSlots:
 
 
 def _signature(batch: TensorDict, items: list[tuple[object, object]] | None = None) -> list[object]:
-    """Every key of a batch (non-tensor entries and empty sub-dicts too), its dimension names, and per
-    tensor leaf its key, address, shape, strides and dtype (``None`` for a leaf no slot holds): a batch
-    with anything the slot's layout cannot rebuild must travel by value."""
+    """Every key of a batch (non-tensor entries and empty sub-dicts too), its dimension names, device and
+    lock, each sub-dict's batch size and names, and per tensor leaf its key, address, shape, strides and
+    dtype (``None`` for a leaf no slot holds): a batch with anything the slot's layout cannot rebuild
+    must travel by value."""
     if items is None:
         items = list(batch.items(include_nested=True, leaves_only=True))
     leaves = [
@@ -218,7 +219,19 @@ def _signature(batch: TensorDict, items: list[tuple[object, object]] | None = No
         else None
         for key, leaf in items
     ]
-    return [list(batch.keys(include_nested=True)), list(batch.names), *leaves]
+    branches = [
+        (key, value.batch_size, value.names)
+        for key, value in batch.items(include_nested=True)
+        if isinstance(value, TensorDictBase)
+    ]
+    return [
+        list(batch.keys(include_nested=True)),
+        list(batch.names),
+        batch.device,
+        batch.is_locked,
+        branches,
+        *leaves,
+    ]
 
 
 _WORKER_SLOTS: WorkerSlots | None = None

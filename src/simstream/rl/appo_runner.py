@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 import pickle
 import time
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from .._memory_order import require_ordered_memory
-from .._validation import require_int, require_number
+from .._validation import require, require_int, require_number
 from ..errors import CollectorDiedError
 from ..workers.supervisor import ctrl_c_deferred
 from .collector import (
@@ -206,8 +207,18 @@ class APPORunner(AsyncRunner):
         """
         require_int("APPORunner.learn", "max_iterations", max_iterations, 1)
         require_int("APPORunner.learn", "save_interval", save_interval, 0)
-        if max_env_frames is not None:
-            require_int("APPORunner.learn", "max_env_frames", max_env_frames, 1)
+        if max_env_frames is not None:  # 2e5 and NumPy ints are frame counts too
+            whole = isinstance(max_env_frames, numbers.Integral) or (
+                isinstance(max_env_frames, float) and max_env_frames.is_integer()
+            )
+            require(
+                whole and not isinstance(max_env_frames, bool) and max_env_frames >= 1,
+                "APPORunner.learn",
+                "max_env_frames",
+                "None or a whole number >= 1",
+                max_env_frames,
+            )
+            max_env_frames = int(max_env_frames)
         require_number("APPORunner.learn", "target_return", target_return, optional=True)
         require_number("APPORunner.learn", "max_wall_s", max_wall_s, 0, low_open=True, optional=True)
         self._raise_if_closed()
