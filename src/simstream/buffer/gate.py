@@ -11,11 +11,10 @@ one writer each (the producer owning row ``r``); ``recorded[r]`` is the recorder
 mode. There a claim never waits for the recorder's copies: it counts the unrecorded episode it
 overwrites in ``skipped`` and marks it as settled in ``recorded``, under a lock that the recorder also
 takes (for microseconds) to settle a copy (:meth:`RecordGate.settle`), so an episode whose copy
-completes while a claim overtakes it is counted as
-recorded or as skipped, never both. The wait
-is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a producer's stop check
-raises once the engine closes or its owner is gone); a recorder that detaches (closes, or its thread fails)
-sets the mode back to off, which ends every wait.
+completes while a claim overtakes it is counted as recorded or as skipped, never both. The wait of
+``"wait"`` mode is sliced (1 ms growing to 20 ms) and runs the caller's check between slices (a
+producer's stop check raises once the engine closes or its owner is gone); a recorder that detaches
+(closes, or its thread fails) sets the mode back to off, which ends every wait.
 
 The recorder looks at the index on a timer (a tenth of a second), which keeps it off the producers' cores
 between looks. A claim that must wait rings the gate's doorbell before its first sleep, so a producer
