@@ -82,6 +82,8 @@ class DirectQueue:
         self._feeder: threading.Thread | None = None
         self._exiting = threading.Event()
         """Set at this process's exit: the feeder writes its backlog and stops."""
+        self._writer_owned_by_feeder = False
+        """Set by :meth:`close` when the feeder was still running: the feeder closes the write end."""
         self._join_cancelled = threading.Event()
         """Set by :meth:`cancel_join_thread`: closing and exiting do not wait for the feeder."""
         self._partial = bytearray()
@@ -198,10 +200,10 @@ class DirectQueue:
                     self._backlog.popleft()  # only now: puts meanwhile queue up behind this message
         except OSError:  # the pipe was closed (this end, or every reader): nobody will read the rest
             return
-        except Exception:
-            if self._closed:  # close() (its join cancelled) closed the pipe under a write in progress
-                return
-            raise
+        finally:
+            with self._backlog_changed:
+                if self._writer_owned_by_feeder:  # close() left the write end to this thread
+                    self._writer.close()
 
     def get(self, block: bool = True, timeout: float | None = None):
         """The next object; raises ``queue.Empty`` if none arrives within ``timeout`` (or at once).
@@ -240,7 +242,12 @@ class DirectQueue:
             if self._pid == os.getpid():
                 _let_feeder_finish(self._feeder, self._exiting, self._join_cancelled)
             self._reader.close()
-            self._writer.close()
+            with self._backlog_changed:
+                feeding = self._pid == os.getpid() and self._feeder is not None and self._feeder.is_alive()
+                if feeding:  # it may be inside a write: closed here, the number could be reused under it
+                    self._writer_owned_by_feeder = True
+            if not feeding:
+                self._writer.close()
 
     def cancel_join_thread(self) -> None:
         """Close and exit without waiting for this process's feeder thread, as ``multiprocessing.Queue``.
