@@ -445,34 +445,36 @@ def test_cli_exits_non_zero_with_the_report_when_the_collector_dies(tmp_path, ca
     assert "injected failure" in (tmp_path / "dies" / "collector_crash.log").read_text()
 
 
-@pytest.mark.timeout(_SCRIPT_S + 60)
-def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path):
-    """A scheduler's or ``kill``'s SIGTERM ended the run with no checkpoint and no summary.json."""
+def _sigterm_the_cli_once(
+    options: list[str], tmp_path, ready, *, environment: dict | None = None, sigint_ignored: bool = False
+) -> tuple[int, str]:
+    """Run ``simstream rl OPTIONS``, send it SIGTERM once ``ready()`` holds (bounded), and return its exit
+    code and output."""
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    from simstream.cli.rl import EXIT_TERMINATED
-
     root = Path(__file__).resolve().parents[2]
-    run_dir = tmp_path / "term"
     command = [
-        sys.executable, "-m", "simstream", "rl", "--env", env_id("none"), "--num-envs", "2",
-        "--steps-per-rollout", "16", "--minibatch-size", "16", "--iterations", "100000",
-        "--save-interval", "1", "--runs-dir", str(tmp_path), "--name", "term", "--no-progress",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "simstream",
+        "rl",
+        *options,
+        "--runs-dir",
+        str(tmp_path),
+        "--no-progress",
+    ]
     with open(tmp_path / "out.txt", "w") as out:
         cli = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root)},
-        )
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), **(environment or {})},
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+        )  # fmt: skip
         try:
             deadline = time.monotonic() + _SCRIPT_S
-            while not (run_dir / "model_2.pt").exists():  # two updates done (bounded, and checks the CLI)
+            while not ready():  # bounded, and checks the CLI
                 assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
                 threading.Event().wait(0.05)
             cli.send_signal(signal.SIGTERM)
@@ -480,7 +482,20 @@ def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path)
         finally:
             cli.kill()
             cli.wait(30)
-    text = (tmp_path / "out.txt").read_text()
+    return code, (tmp_path / "out.txt").read_text()
+
+
+@pytest.mark.timeout(_SCRIPT_S + 60)
+def test_cli_handles_sigterm_as_ctrl_c_saving_the_model_and_the_report(tmp_path):
+    """A scheduler's or ``kill``'s SIGTERM ended the run with no checkpoint and no summary.json."""
+    from simstream.cli.rl import EXIT_TERMINATED
+
+    run_dir = tmp_path / "term"
+    options = [
+        "--env", env_id("none"), "--num-envs", "2", "--steps-per-rollout", "16", "--minibatch-size", "16",
+        "--iterations", "100000", "--save-interval", "1", "--name", "term",
+    ]  # fmt: skip
+    code, text = _sigterm_the_cli_once(options, tmp_path, (run_dir / "model_2.pt").exists)  # two updates
     assert code == EXIT_TERMINATED == 143, text[-3000:]
     assert "simstream rl: terminated (SIGTERM)" in text
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -495,37 +510,17 @@ def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(
     """A SIGTERM while ``close()`` waited for the collector cut ``close()`` short (the collector was left to
     the exit finalizer's terminate()) and exited 130, "interrupted". With SIGINT ignored (a background job
     of a non-interactive shell) the held SIGTERM, re-raised as a SIGINT, vanished: exit 0."""
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from simstream.cli.rl import EXIT_TERMINATED
 
-    root = Path(__file__).resolve().parents[2]
     closing = tmp_path / "closing"  # written by the collector's environment as its close() begins
-    command = [
-        sys.executable, "-m", "simstream", "rl", "--env", env_id("slow_close"), "--num-envs", "1",
-        "--steps-per-rollout", "16", "--minibatch-size", "16", "--iterations", "2",
-        "--runs-dir", str(tmp_path), "--name", "run", "--no-progress",
+    options = [
+        "--env", env_id("slow_close"), "--num-envs", "1", "--steps-per-rollout", "16", "--minibatch-size",
+        "16", "--iterations", "2", "--name", "run",
     ]  # fmt: skip
-    environment = {**os.environ, "PYTHONPATH": str(root), "SIMSTREAM_RL_FAULT_STAMP": str(closing)}
-    with open(tmp_path / "out.txt", "w") as out:
-        cli = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=environment,
-            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + _SCRIPT_S
-            while not closing.exists():
-                assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
-                threading.Event().wait(0.05)
-            cli.send_signal(signal.SIGTERM)
-            code = cli.wait(timeout=60)
-        finally:
-            cli.kill()
-            cli.wait(30)
-    text = (tmp_path / "out.txt").read_text()
+    code, text = _sigterm_the_cli_once(
+        options, tmp_path, closing.exists, environment={"SIMSTREAM_RL_FAULT_STAMP": str(closing)},
+        sigint_ignored=sigint_ignored,
+    )  # fmt: skip
     assert code == EXIT_TERMINATED, text[-3000:]
     assert "simstream rl: terminated (SIGTERM)" in text
     assert "did not exit in time" not in text, text[-3000:]  # the collector finished its close()
