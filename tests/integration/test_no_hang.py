@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -199,17 +200,21 @@ def _take_and_stop(lock, taken) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-@pytest.mark.parametrize("which", ["quota", "refill request"])
+@pytest.mark.parametrize("which", ["quota", "refill request", "lifecycle log"])
 def test_a_consumer_stopped_holding_a_shared_lock_ends_the_owners_waits_after_the_timeout(which):
     """A stopped holder never releases (the kernel frees a lock only on death) and publishes nothing: the
     owner's calls that take the lock end with TimeoutError after sample_wait_timeout, naming it."""
     engine = _two_producers(
         refill_policy="manual", episode_sample_budget=1000, episode_sample_hard_limit=1000, buffer_size=8,
-        sample_wait_timeout=1.0,
+        sample_wait_timeout=1.0, lifecycle_event_capacity=16,
     )  # fmt: skip
     holder = None
     try:
-        lock = engine._shared.quota.lock if which == "quota" else engine._shared.progress._request_lock
+        lock = {
+            "quota": engine._shared.quota.lock,
+            "refill request": engine._shared.progress._request_lock,
+            "lifecycle log": engine._shared.events.lock,  # drain waited for it without a bound
+        }[which]
         ctx = mp.get_context("fork")
         taken = ctx.Event()
         holder = ctx.Process(target=_take_and_stop, args=(lock, taken))
@@ -222,8 +227,11 @@ def test_a_consumer_stopped_holding_a_shared_lock_ends_the_owners_waits_after_th
                 lambda: engine.sample_batch(4, 2),
             ],
             "refill request": [engine.request_refill],
+            "lifecycle log": [engine.drain_lifecycle_events],
         }[which]
-        name = "The quota lock" if which == "quota" else "The refill-request lock"
+        name = {"quota": "The quota lock", "refill request": "The refill-request lock"}.get(
+            which, "The lifecycle log lock"
+        )
         for call in calls:
             thread, outcome = _in_thread(call)
             thread.join(_BOUND_S)
@@ -371,6 +379,68 @@ def test_an_owner_killed_in_wait_for_generation_leaves_no_process_behind():
     finally:
         owner.kill()
         owner.stdout.close()
+
+
+def test_an_owner_killed_while_a_source_hangs_in_its_rollout_leaves_no_process_behind(tmp_path):
+    """The producer notices its owner's death between control steps; a source hung inside ``rollout()``
+    never returns to one, and without an owner nobody would terminate it: it ran forever, keeping the
+    fork server and the resource tracker alive too. It now exits ``shutdown_timeout`` after the owner."""
+    stamp = tmp_path / "hanging"
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import json, sys, threading, multiprocessing.resource_tracker as tracker
+                from simstream import OnlineDataEngine, OnlineDataEngineCfg
+                from tests.support.sources import ScriptedSpec
+
+                if __name__ == "__main__":
+                    cfg = OnlineDataEngineCfg(
+                        source=ScriptedSpec(fault="hang", fault_after=1), buffer_size=2, num_workers=1,
+                        refill_policy="manual", shutdown_timeout=1.0,
+                    )
+                    engine = OnlineDataEngine(cfg)
+                    engine.start()
+                    producers = [p.pid for p in engine._supervisor.processes.values()]
+                    engine.request_refill()  # its rollout hangs
+                    print(json.dumps({"producers": producers, "tracker": tracker._resource_tracker._pid}))
+                    sys.stdout.flush()
+                    threading.Event().wait(600)
+                """
+            ),
+        ],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(_REPO), "SIMSTREAM_TEST_HANG_STAMP": str(stamp)},
+    )
+    pids: dict = {"producers": []}
+    try:
+        ready = select.poll()
+        ready.register(owner.stdout, select.POLLIN)
+        assert ready.poll(_BOUND_S * 1000), "the owner script printed nothing"
+        pids = json.loads(owner.stdout.readline())
+        deadline = time.monotonic() + _BOUND_S
+        while not stamp.exists():  # the source is inside its hang
+            assert time.monotonic() < deadline and owner.poll() is None, "the source never hung"
+            threading.Event().wait(0.02)
+        forkserver = {_parent_of(pid) for pid in pids["producers"]}
+        owner.kill()
+        owner.wait(_BOUND_S)
+        everything = [*pids["producers"], *forkserver, pids["tracker"]]
+        wait_for_exit(
+            everything, _BOUND_S, "the hung producer, forkserver and resource tracker of a killed owner"
+        )
+    finally:
+        owner.kill()
+        owner.stdout.close()
+        for pid in pids["producers"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _parent_of(pid: int) -> int:

@@ -405,8 +405,8 @@ def test_learn_validates_its_arguments():
             runner.learn(1, **kwargs)
         assert str(caught.value) == message
     assert runner.iterations_done == 0  # refused before any update
-    assert runner.learn(1, max_env_frames=2e5)["iterations"] == 1  # a float or NumPy count is a count
-    assert runner.learn(1, max_env_frames=np.int64(200_000))["iterations"] == 2  # the runner's total
+    assert runner.learn(1, max_env_frames=2e5, log_dir=None)["iterations"] == 1  # a float or NumPy count
+    assert runner.learn(1, max_env_frames=np.int64(200_000), log_dir=None)["iterations"] == 2  # in all
     runner.close()
 
 

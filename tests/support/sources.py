@@ -111,6 +111,10 @@ class ScriptedSource:
         if kind == "segfault":
             ctypes.string_at(0)
         if kind == "hang":
+            stamp = os.environ.get("SIMSTREAM_TEST_HANG_STAMP")
+            if stamp:  # tells a test the source is inside its hang now
+                with open(stamp, "w") as handle:
+                    handle.write(str(os.getpid()))
             threading.Event().wait(3600)
         if kind == "stall":
             while not should_stop():

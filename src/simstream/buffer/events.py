@@ -109,6 +109,11 @@ class LifecycleEventLog:
             self._numpy = (self._cursor.numpy(), self._table.numpy(), self._masks.numpy())
         return self._numpy
 
+    @property
+    def lock(self) -> SharedLock:
+        """The log's lock (for a check that bounds waits on a stopped holder: ``with_deadline``)."""
+        return self._lock
+
     @contextlib.contextmanager
     def holding(self, check: Callable[[], None] | None) -> Iterator[None]:
         """Hold the log's lock for a block (waiting for it with ``check``); appends in the block take it

@@ -501,7 +501,11 @@ class OnlineDataEngine(EngineLifecycle):
         """Pending ``published``/``evicted`` records in order (owner only); frees their log space."""
         self._require_owner("drain_lifecycle_events")
         events = self._shared.events
-        return [] if events is None else events.drain(self._raise_if_failed)
+        if events is None:
+            return []
+        # a producer stopped (SIGSTOP) while it holds the log's lock is waited for this long, as for quotas
+        lock, bound = events.lock, self.cfg.sample_wait_timeout
+        return events.drain(with_deadline(self._raise_if_failed, bound, "The lifecycle log lock", lock))
 
 
 def _pid_alive(pid: int) -> bool:

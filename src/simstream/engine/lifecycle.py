@@ -137,7 +137,7 @@ class EngineLifecycle:
                 WorkerSpec(
                     label=f"producer-{worker}",
                     target=_PRODUCER_TARGET,
-                    args=(shared, worker, start, end, self._spec_bytes, cfg.seed),
+                    args=(shared, worker, start, end, self._spec_bytes, cfg.seed, cfg.shutdown_timeout),
                 )
                 for worker, (start, end) in enumerate(cfg.worker_row_ranges(self._num_envs))
             ]
