@@ -241,3 +241,28 @@ def _gone_within(pid: int, bound_s: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         threading.Event().wait(0.01)
+
+
+def test_workers_that_outlive_a_killed_fork_server_are_killed_at_shutdown():
+    """A forkserver worker's exit status comes from the fork server: with the server killed, a live worker
+    read as exited with code 255, and the shutdown left it running."""
+    import os
+    import signal
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("lives", _WAIT, (stop,))])
+    worker = supervisor.processes["lives"].pid
+    try:
+        os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)  # a new one starts on next use
+        report = supervisor.shutdown(0.5)
+        assert report.exitcodes == {"lives": 255} and report.forced and report.still_alive == []
+        assert _gone_within(worker, 20.0)
+    finally:
+        stop.set()
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -253,6 +253,8 @@ class WorkerSupervisor:
         self._on_exit = on_exit
         self._processes: dict[str, mp.process.BaseProcess] = {}
         self._indices: dict[str, int] = {}
+        self._pidfds: dict[str, int] = {}
+        """label -> a pidfd of the worker: its real liveness, whatever a dead fork server reported."""
         self._group_leaders: dict[str, int] = {}
         """label -> pid of the workers that lead a process group (``WorkerSpec.own_process_group``)."""
         self._entered: EntryFlags | None = None
@@ -304,6 +306,8 @@ class WorkerSupervisor:
                 self._indices[spec.label] = index
                 if spec.own_process_group:
                     self._group_leaders[spec.label] = process.pid
+                with contextlib.suppress(OSError):  # gone already, or no pidfds (Linux < 5.3)
+                    self._pidfds[spec.label] = os.pidfd_open(process.pid)
                 self._exits.register(process.sentinel, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
@@ -382,6 +386,7 @@ class WorkerSupervisor:
         with self._status_lock:
             report.exitcodes = {label: p.exitcode for label, p in self._processes.items()}
             report.still_alive = [label for label, p in self._processes.items() if p.is_alive()]
+        self._kill_survivors_of_a_dead_fork_server(report)
         for label, leader in list(self._group_leaders.items()):
             if label not in report.still_alive:
                 _kill_group(leader)
@@ -392,9 +397,27 @@ class WorkerSupervisor:
                 for process in self._processes.values():
                     process.close()
                 self._processes.clear()
+                for fd in self._pidfds.values():
+                    os.close(fd)
+                self._pidfds.clear()
                 self._exits = select.poll()  # closed sentinels' numbers may be reused
                 self._exit_read.clear()
         return report
+
+    def _kill_survivors_of_a_dead_fork_server(self, report: ShutdownReport) -> None:
+        """A ``forkserver`` worker's exit status comes from the fork server: once that is gone (killed), every
+        worker reads as exited with code 255, alive or not, and nothing above stopped the live ones. Their
+        pidfds tell; the live ones are killed (a pidfd names its process, never a reused pid)."""
+        for label, code in report.exitcodes.items():
+            fd = self._pidfds.get(label)
+            if code != 255 or fd is None or _pidfd_exited(fd, 0.0):
+                continue
+            logger.warning("worker %s outlived the fork server that started it; killing it", label)
+            report.forced = True
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            if not _pidfd_exited(fd, 1.0):
+                report.still_alive.append(label)
 
     def _join_all(self, processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
         """Join ``processes`` within ``timeout_s``, holding the status lock only for short slices, so that
@@ -419,6 +442,13 @@ class WorkerSupervisor:
                 return False
             self._monitor = None
         return True
+
+
+def _pidfd_exited(fd: int, timeout_s: float) -> bool:
+    """Whether the process of pidfd ``fd`` has exited (waiting up to ``timeout_s``)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(timeout_s * 1000)))
 
 
 def _kill_group(leader: int) -> None:
