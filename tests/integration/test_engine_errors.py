@@ -121,7 +121,7 @@ def test_a_silent_death_ends_a_long_wait_for_generation():
         engine.stop()
 
 
-def test_a_producer_sys_exit_is_raised_as_a_worker_error_naming_it():
+def test_a_producer_sys_exit_is_raised_as_a_worker_error_naming_it(capfd):
     engine = _started(ScriptedSpec(fault="sys_exit", fault_after=2), refill_policy="manual")
     engine.request_refill()
     _wait_failed(engine)
@@ -137,6 +137,8 @@ def test_a_producer_sys_exit_is_raised_as_a_worker_error_naming_it():
     )
     with pytest.raises(OnlineDataWorkerError, match="raised SystemExit"):
         engine.stop()
+    # the message reaches the trainer inside the error; the producer itself printed nothing
+    assert "the simulator gave up" not in capfd.readouterr().err
 
 
 def test_a_rollout_that_returns_none_unasked_fails_with_the_reason():

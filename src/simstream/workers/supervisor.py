@@ -87,9 +87,11 @@ def worker_entry(
         function(*args)
     except BaseException as error:
         channel.publish(error, label)
-        if channel.holds(error) and not isinstance(error, SystemExit):
-            # its traceback is printed by whoever raises it, not on the terminal of every worker too
-            raise SystemExit(1) from None
+        if channel.holds(error):
+            # its traceback (or a sys.exit's message) is printed by whoever raises it, not on the terminal of
+            # every worker too; a sys.exit keeps its exit code
+            code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
+            raise SystemExit(code) from None
         raise
 
 
