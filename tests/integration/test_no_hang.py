@@ -335,47 +335,62 @@ def test_a_script_that_never_stops_its_engine_exits_and_leaves_no_process(ending
     wait_for_exit(pids, _BOUND_S, "producers of a script that exited without stop()")
 
 
-def test_an_owner_killed_in_wait_for_generation_leaves_no_process_behind():
-    """The producer that completed the generation used to hang in its wake-up of the dead owner."""
-    owner = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                """
-                import json, sys, multiprocessing.resource_tracker as tracker
-                from simstream import OnlineDataEngine, OnlineDataEngineCfg
-                from tests.support.sources import ScriptedSpec
+_OWNER_HEAD = """
+import json, sys, threading, multiprocessing.resource_tracker as tracker
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from tests.support.sources import ScriptedSpec
 
-                if __name__ == "__main__":
-                    cfg = OnlineDataEngineCfg(
-                        source=ScriptedSpec(), buffer_size=4, num_workers=2, refill_policy="manual"
-                    )
-                    engine = OnlineDataEngine(cfg)
-                    engine.start()
-                    producers = [p.pid for p in engine._supervisor.processes.values()]
-                    print(json.dumps({"producers": producers, "tracker": tracker._resource_tracker._pid}))
-                    sys.stdout.flush()
-                    while True:
-                        engine.wait_for_generation(engine.request_refill(), timeout=60)
-                """
-            ),
-        ],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(_REPO)},
-    )
-    try:
-        ready = select.poll()
-        ready.register(owner.stdout, select.POLLIN)
-        assert ready.poll(_BOUND_S * 1000), "the owner script printed nothing"
-        pids = json.loads(owner.stdout.readline())
-        forkserver = {_parent_of(pid) for pid in pids["producers"]}
+
+def report(engine):
+    producers = [p.pid for p in engine._supervisor.processes.values()]
+    print(json.dumps({"producers": producers, "tracker": tracker._resource_tracker._pid}), flush=True)
+"""
+
+
+def _start_owner(main: str, **environment: str) -> tuple[subprocess.Popen, dict]:
+    """Start an owner script: ``_OWNER_HEAD`` then ``main``, whose engine calls ``report(engine)`` once.
+    Returns the process and the pids it reported (its producers and its resource tracker)."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER_HEAD + textwrap.dedent(main)], cwd=_REPO, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(_REPO), **environment},
+    )  # fmt: skip
+    ready = select.poll()
+    ready.register(owner.stdout, select.POLLIN)
+    if not ready.poll(_BOUND_S * 1000):
         owner.kill()
         owner.wait(_BOUND_S)
-        everything = [*pids["producers"], *forkserver, pids["tracker"]]
-        wait_for_exit(everything, _BOUND_S, "producers, forkserver and resource tracker of a killed owner")
+        owner.stdout.close()
+        raise AssertionError("the owner script printed nothing")
+    return owner, json.loads(owner.stdout.readline())
+
+
+def _kill_owner_and_wait_for_the_rest(owner: subprocess.Popen, pids: dict, what: str) -> None:
+    """SIGKILL the owner, then wait (bounded) until its producers, fork server and tracker have exited."""
+    forkserver = {_parent_of(pid) for pid in pids["producers"]}
+    owner.kill()
+    owner.wait(_BOUND_S)
+    wait_for_exit([*pids["producers"], *forkserver, pids["tracker"]], _BOUND_S, what)
+
+
+def test_an_owner_killed_in_wait_for_generation_leaves_no_process_behind():
+    """The producer that completed the generation used to hang in its wake-up of the dead owner."""
+    owner, pids = _start_owner(
+        """
+        if __name__ == "__main__":
+            cfg = OnlineDataEngineCfg(
+                source=ScriptedSpec(), buffer_size=4, num_workers=2, refill_policy="manual"
+            )
+            engine = OnlineDataEngine(cfg)
+            engine.start()
+            report(engine)
+            while True:
+                engine.wait_for_generation(engine.request_refill(), timeout=60)
+        """
+    )
+    try:
+        _kill_owner_and_wait_for_the_rest(
+            owner, pids, "producers, forkserver and resource tracker of a killed owner"
+        )
     finally:
         owner.kill()
         owner.stdout.close()
@@ -386,52 +401,28 @@ def test_an_owner_killed_while_a_source_hangs_in_its_rollout_leaves_no_process_b
     never returns to one, and without an owner nobody would terminate it: it ran forever, keeping the
     fork server and the resource tracker alive too. It now exits ``shutdown_timeout`` after the owner."""
     stamp = tmp_path / "hanging"
-    owner = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                """
-                import json, sys, threading, multiprocessing.resource_tracker as tracker
-                from simstream import OnlineDataEngine, OnlineDataEngineCfg
-                from tests.support.sources import ScriptedSpec
-
-                if __name__ == "__main__":
-                    cfg = OnlineDataEngineCfg(
-                        source=ScriptedSpec(fault="hang", fault_after=1), buffer_size=2, num_workers=1,
-                        refill_policy="manual", shutdown_timeout=1.0,
-                    )
-                    engine = OnlineDataEngine(cfg)
-                    engine.start()
-                    producers = [p.pid for p in engine._supervisor.processes.values()]
-                    engine.request_refill()  # its rollout hangs
-                    print(json.dumps({"producers": producers, "tracker": tracker._resource_tracker._pid}))
-                    sys.stdout.flush()
-                    threading.Event().wait(600)
-                """
-            ),
-        ],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(_REPO), "SIMSTREAM_TEST_HANG_STAMP": str(stamp)},
+    owner, pids = _start_owner(
+        """
+        if __name__ == "__main__":
+            cfg = OnlineDataEngineCfg(
+                source=ScriptedSpec(fault="hang", fault_after=1), buffer_size=2, num_workers=1,
+                refill_policy="manual", shutdown_timeout=1.0,
+            )
+            engine = OnlineDataEngine(cfg)
+            engine.start()
+            engine.request_refill()  # its rollout hangs
+            report(engine)
+            threading.Event().wait(600)
+        """,
+        SIMSTREAM_TEST_HANG_STAMP=str(stamp),
     )
-    pids: dict = {"producers": []}
     try:
-        ready = select.poll()
-        ready.register(owner.stdout, select.POLLIN)
-        assert ready.poll(_BOUND_S * 1000), "the owner script printed nothing"
-        pids = json.loads(owner.stdout.readline())
         deadline = time.monotonic() + _BOUND_S
         while not stamp.exists():  # the source is inside its hang
             assert time.monotonic() < deadline and owner.poll() is None, "the source never hung"
             threading.Event().wait(0.02)
-        forkserver = {_parent_of(pid) for pid in pids["producers"]}
-        owner.kill()
-        owner.wait(_BOUND_S)
-        everything = [*pids["producers"], *forkserver, pids["tracker"]]
-        wait_for_exit(
-            everything, _BOUND_S, "the hung producer, forkserver and resource tracker of a killed owner"
+        _kill_owner_and_wait_for_the_rest(
+            owner, pids, "the hung producer, forkserver and resource tracker of a killed owner"
         )
     finally:
         owner.kill()
