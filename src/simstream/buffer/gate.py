@@ -108,8 +108,7 @@ class RecordGate:
                 return False
             self.recorded[row] = episode_id
             return True
-        bounded = with_deadline(check, _STOPPED_HOLDER_S, "The record gate's settle lock", self._settle_lock)
-        with self._settle_lock.held(bounded):
+        with self._settling(check):
             if int(self.recorded[row]) >= episode_id or not unchanged():
                 return False
             self.recorded[row] = episode_id
@@ -133,11 +132,16 @@ class RecordGate:
         """Seconds producers' claims have spent waiting for a recorder, summed over producers."""
         return int(self.waited_ns.sum()) / 1e9
 
+    def _settling(self, check: Callable[[], None] | None):
+        """Hold the settle lock (its holders keep it for microseconds): ``check`` runs between waits, and a
+        holder stopped (SIGSTOP) for ``_STOPPED_HOLDER_S`` ends the wait with ``TimeoutError``."""
+        lock = self._settle_lock
+        return lock.held(with_deadline(check, _STOPPED_HOLDER_S, "The record gate's settle lock", lock))
+
     def _skip(self, start: int, end: int, episode_id: torch.Tensor, check: Callable[[], None] | None) -> None:
         """Count the unrecorded episodes of rows ``[start, end)`` as skipped and settle them, under the
         lock :meth:`settle` takes: a copy the recorder has not settled yet is then discarded."""
-        bounded = with_deadline(check, _STOPPED_HOLDER_S, "The record gate's settle lock", self._settle_lock)
-        with self._settle_lock.held(bounded):  # held by the others for microseconds
+        with self._settling(check):
             ids = episode_id[start:end]
             recorded = self.recorded[start:end]
             pending = ids > recorded

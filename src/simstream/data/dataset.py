@@ -15,13 +15,10 @@ new shared-memory segment, file descriptor and mapping per batch. :meth:`OnlineD
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import numbers
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Literal
 
 import torch
@@ -31,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ..errors import DataBudgetExhaustedError
 from ..sampling.gather import BatchLayout
 from ..sampling.keys import select_keys
+from ..workers.supervisor import exit_with_owner
 from .chunk_sizes import ChunkSizeSampler
 from .loader_context import loader_context
 from .worker_slots import release_exited_workers, worker_batch, worker_slots
@@ -52,26 +50,10 @@ def _freeze_inherited_objects() -> None:
     if _frozen_in != os.getpid():
         _frozen_in = os.getpid()
         gc.freeze()
-        _exit_with_the_trainer()
-
-
-def _exit_with_the_trainer() -> None:
-    """In a ``DataLoader`` worker: end the process the moment the process that started it (the trainer)
-    is gone, however it ended (a thread blocked on the trainer's sentinel).
-
-    torch's workers compare ``os.getppid()`` with its value at their start, every 5 s. A ``forkserver``
-    worker's parent is the fork server, which lives as long as any process it forked holds the server's
-    "alive" pipe, as every worker does: the workers of a SIGKILLed trainer ran forever, each keeping its
-    slot arenas and the engine's shared memory mapped."""
-    trainer = multiprocessing.parent_process()
-    if trainer is None:
-        return
-
-    def watch() -> None:
-        wait_for_sentinels([trainer.sentinel])
-        os._exit(1)  # nobody reads this worker's results any more; the kernel releases what it held
-
-    threading.Thread(target=watch, name="simstream-trainer-watch", daemon=True).start()
+        # end with the trainer, however it ends: torch's workers compare os.getppid() with its value at their
+        # start, and a forkserver worker's parent is the fork server, which every worker keeps alive (they
+        # hold its "alive" pipe): the workers of a SIGKILLed trainer ran forever, keeping its memory mapped
+        exit_with_owner()
 
 
 class OnlineDataset(IterableDataset):

@@ -15,15 +15,13 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import threading
 import time
 from functools import partial
-from multiprocessing.connection import wait as wait_for_sentinels
 
 import torch
 
 from ..errors import OnlineDataWorkerError
-from ..workers.supervisor import owner_watch
+from ..workers.supervisor import exit_with_owner, owner_watch
 from .publisher import Closing, WindowPublisher
 from .shared import EngineShared
 from .window import derive_worker_seed, generate_window, window_starts
@@ -40,7 +38,7 @@ def run_producer(
     row_end: int,
     spec_bytes: bytes,
     seed: int,
-    shutdown_timeout_s: float = 30.0,
+    shutdown_timeout_s: float,
 ) -> None:
     """Worker entry (started through :func:`simstream.workers.supervisor.worker_entry`)."""
     # Ctrl-C in a terminal reaches the whole process group: the owner decides (its stop() ends this
@@ -49,7 +47,9 @@ def run_producer(
     torch.set_num_threads(1)
     shared.progress.set_worker_pid(worker_index, os.getpid())
     label = f"producer-{worker_index}"
-    _exit_once_the_owner_is_gone(shared, label, shutdown_timeout_s)
+    # the producer notices its owner's death between control steps and leaves as a stop() makes it leave; a
+    # source stuck inside build() or rollout() never looks, and with no owner nobody would terminate() it
+    exit_with_owner(shutdown_timeout_s, partial(publish_owner_gone, shared, label))
     spec = pickle.loads(spec_bytes)
     source = spec.build(worker_index, derive_worker_seed(seed, worker_index))
     try:
@@ -69,27 +69,6 @@ def run_producer(
             shared.channel.publish_durability_failure(close_error, label)
             shared.progress.notify()
             raise
-
-
-def _exit_once_the_owner_is_gone(shared: EngineShared, label: str, grace_s: float) -> None:
-    """A daemon thread that ends this process ``grace_s`` seconds after its owner died, if it still runs.
-
-    The producer notices its owner's death between control steps (``owner_watch``) and leaves the way a
-    ``stop()`` makes it leave. A source stuck inside ``build()`` or ``rollout()`` never looks, and with no
-    owner left nobody would ``terminate()`` it, as a ``stop()`` does past ``shutdown_timeout``: so this
-    thread says why (:func:`publish_owner_gone`) and exits.
-    """
-    owner = mp.parent_process()
-    if owner is None:
-        return
-
-    def watch() -> None:
-        wait_for_sentinels([owner.sentinel])
-        threading.Event().wait(grace_s)  # the producer's own way out: publish, close the source, return
-        publish_owner_gone(shared, label)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="simstream-owner-watch", daemon=True).start()
 
 
 def publish_owner_gone(shared: EngineShared, label: str) -> None:

@@ -519,7 +519,8 @@ def _lock_folder(root: Path) -> int:
 
 
 def _unlock_folder(fd: int) -> None:
-    """Release :func:`_lock_folder`'s lock, also for forked children that inherited the descriptor."""
+    """Release :func:`_lock_folder`'s lock in the process that took it (``LOCK_UN``: released even while
+    forked children still hold copies of the descriptor), and close the descriptor."""
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
 

@@ -39,6 +39,7 @@ __all__ = [
     "WorkerSupervisor",
     "bootstrap_note",
     "ctrl_c_deferred",
+    "exit_with_owner",
     "owner_watch",
     "preparing_worker_process",
     "refuse_in_preparing_child",
@@ -93,6 +94,29 @@ def worker_entry(
             code = error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1
             raise SystemExit(code) from None
         raise
+
+
+def exit_with_owner(grace_s: float = 0.0, last_words: Callable[[], None] | None = None) -> None:
+    """In a worker: a daemon thread that ends this process ``grace_s`` seconds after the process that
+    started it has exited (running ``last_words`` first), whatever the main thread is doing then.
+
+    For code that may be stuck where it never polls :func:`owner_watch` (a source inside a simulator
+    call), or whose parent-pid check cannot see the owner (a ``forkserver`` worker's parent is the fork
+    server). Does nothing in a process nobody started.
+    """
+    owner = mp.parent_process()
+    if owner is None:
+        return
+
+    def watch() -> None:
+        wait_for_sentinels([owner.sentinel])
+        if grace_s > 0:
+            threading.Event().wait(grace_s)
+        if last_words is not None:
+            last_words()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="simstream-owner-watch", daemon=True).start()
 
 
 def owner_watch() -> Callable[[], bool]:
