@@ -192,13 +192,13 @@ def test_exhausted_restarts_fail_the_engine_naming_producer_node_and_error(clust
 
 def test_a_build_that_hangs_fails_the_start_naming_the_node_its_actor_runs_on(cluster):
     """The actor runs and only its source's build hangs: the error names the node (it said "unknown")."""
-    backend = RayBackend(resources={"sim": 1}, start_timeout_s=3.0, max_restarts=0)
+    backend = RayBackend(resources={"sim": 1}, start_timeout_s=10.0, max_restarts=0)
     engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="build_hang", fault_worker=1), backend))
     with pytest.raises(RayProducerError) as caught:
         engine.start()
     assert str(caught.value).startswith(
         f"Ray producer producer-1 on node {sim_node_id(cluster)}: starting its actor and building its source "
-        "did not finish within RayBackend.start_timeout_s=3.0 s"
+        "did not finish within RayBackend.start_timeout_s=10.0 s"
     ), str(caught.value)
     stop_quietly(engine)
 
