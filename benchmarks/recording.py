@@ -21,7 +21,9 @@ without-with, then with-without, and so on.
 On a shared 2-vCPU VM the host's speed drifts by tens of percent over a minute; separate 20-second runs
 of each candidate put that drift into the ratio, adjacent short phases of one engine mostly cancel it.
 Each ratio is the median over pairs of adjacent phases (every pair's ratio is printed too); the rates are
-medians over phases.
+medians over phases. ``--writer-niceness 0 10`` compares recorders whose writer thread runs at the
+process's priority and 10 nice steps below it (the default): each round then has three phases, in an
+order that rotates from round to round.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ class Args:
     flush_every: int | None = None
     """The recorder's episodes per group of files; default: what each command uses (``simstream record``:
     the recorder's default, 32; ``demo --record``, the sampling section: ``TRAINING_FLUSH_EVERY``, 8)."""
+    writer_niceness: tuple[int, ...] = (10,)
+    """The recorder's ``writer_niceness`` (default 10); several values (``--writer-niceness 0 10``) add a
+    recording phase per value to each round, in rotating order, and a row per value to each table."""
 
     def __post_init__(self) -> None:
         require_positive(
             self, "seconds", "rounds", "workers", "sampling_seconds", "sampling_rounds", "flush_every"
         )
+        if not self.writer_niceness or any(not 0 <= n <= 19 for n in self.writer_niceness):
+            raise ValueError(f"--writer-niceness takes values in [0, 19], got {self.writer_niceness}")
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):
@@ -85,12 +92,14 @@ def _producer_pids(engine) -> list[int]:
     return [process.pid for name, process in processes.items() if name.startswith("producer-")]
 
 
-def _recorder(engine, record: Path, args: Args, flush_every: int | None):
+def _recorder(engine, record: Path, args: Args, flush_every: int | None, niceness: int):
     """A started ``LeRobotRecorder`` appending to ``record``; ``flush_every=None``: its default."""
     from simstream.lerobot import LeRobotRecorder
 
     groups = {} if flush_every is None else {"flush_every": flush_every}
-    return LeRobotRecorder(engine, record, video_codec=args.video_codec, **groups).start()
+    return LeRobotRecorder(
+        engine, record, video_codec=args.video_codec, writer_niceness=niceness, **groups
+    ).start()
 
 
 _NOTHING_PUBLISHED_S = 120.0
@@ -114,22 +123,29 @@ def _refill_back_to_back(engine, seconds: float) -> None:
     refill_until(engine, done, lambda: None)
 
 
-def _alternate(engine, args: Args, record: Path, flush_every: int | None, measure) -> tuple[list, list]:
-    """``measure(engine)`` in ``2 * args.rounds`` phases, alternately without and with a recorder (pair
-    ``k``: without first for even ``k``, with first for odd ``k``); returns the plain and recorded results
-    in pair order, after one phase of warm-up. ``measure`` runs a phase and returns the callback that
-    closes it with the phase's rates."""
+def _alternate(
+    engine, args: Args, record: Path, flush_every: int | None, measure
+) -> tuple[list, dict[int, list]]:
+    """``measure(engine)`` in rounds of phases, one without a recorder and one with a recorder per
+    ``args.writer_niceness`` value, ``args.rounds`` times, after one phase of warm-up. Round ``k`` starts
+    ``k`` places further along the list of phases (with one niceness: without-with, then with-without),
+    so a steady drift of the machine's speed cancels. Returns the results without, and with per
+    niceness, in round order. ``measure`` runs a phase and returns the callback that closes it with the
+    phase's rates."""
     measure(engine)()  # warm-up, not counted: the producers' first episodes after start are slower
-    plain, recorded = [], []
+    phases: list[int | None] = [None, *args.writer_niceness]
+    plain: list[dict] = []
+    recorded: dict[int, list[dict]] = {niceness: [] for niceness in args.writer_niceness}
     for k in range(args.rounds):
-        for recording in (False, True) if k % 2 == 0 else (True, False):
+        shift = k % len(phases)
+        for niceness in phases[shift:] + phases[:shift]:
             recorder = None
-            if recording:
+            if niceness is not None:
                 # What the buffer holds from the phase before counts as recorded: ``simstream record``
                 # starts its recorder before the engine, so it never begins with a backlog to copy.
                 shared = engine._shared
                 shared.record_gate.recorded.copy_(shared.index.episode_id)
-                recorder = _recorder(engine, record, args, flush_every)
+                recorder = _recorder(engine, record, args, flush_every, niceness)
             finish = measure(engine)
             if recorder is not None:
                 recorder.close()  # the last group's flush is part of the phase
@@ -137,13 +153,13 @@ def _alternate(engine, args: Args, record: Path, flush_every: int | None, measur
                 result["bytes_per_episode"] = recorder.bytes_written / max(1, recorder.episodes_flushed)
                 result["skipped"] = recorder.episodes_skipped
                 result["producer_wait_s"] = recorder.producer_wait_s
-                recorded.append(result)
+                recorded[niceness].append(result)
             else:
                 plain.append(finish())
     return plain, recorded
 
 
-def production(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
+def production(source, args: Args, record: Path) -> tuple[list[dict], dict[int, list[dict]]]:
     """Episodes/s the producers publish with generations requested back to back (``simstream record``),
     and the CPU seconds per episode of the producers and of this process (the recorder's threads run
     here), per phase without and with the recorder."""
@@ -180,7 +196,7 @@ def _give_the_trainer_a_core(engine, cpus: list[int]) -> None:
         pin_process(pid, set(cpus[1:]))
 
 
-def sampling(source, args: Args, record: Path) -> tuple[list[dict], list[dict]]:
+def sampling(source, args: Args, record: Path) -> tuple[list[dict], dict[int, list[dict]]]:
     """Batches/s of ``sample_batch(256, 16)`` while producers refill continuously, and the fresh
     episodes/s they published meanwhile, per phase without and with the recorder.
 
@@ -262,34 +278,44 @@ def run(args: Args) -> int:
     flags += f" --video-codec {args.video_codec}" + (
         f" --flush-every {args.flush_every}" if args.flush_every else ""
     )
+    if args.writer_niceness != (10,):
+        flags += " --writer-niceness " + " ".join(map(str, args.writer_niceness))
     print(f"command: `python benchmarks/recording.py{flags}`; machine: {os.cpu_count()} CPUs")
+
+    def median(results, key):
+        return statistics.median(result[key] for result in results)
+
+    def label(name: str, niceness: int) -> str:
+        return name if len(args.writer_niceness) == 1 else f"{name}, writer nice {niceness}"
+
     rows, rounds = [], []
     try:
         for name, source in sources.items():
-            plain, recorded = production(source, args, scratch / name.replace(" ", "_"))
-            assert all(result["skipped"] == 0 for result in recorded)
-
-            def median(results, key):
-                return statistics.median(result[key] for result in results)
-
-            a, b = median(plain, "episodes_per_s"), median(recorded, "episodes_per_s")
-            pairs = _pair_ratios(plain, recorded, "episodes_per_s")
-            producer_ms = 1e3 * median(plain, "producer_cpu_per_episode_s")
-            recorder_ms = 1e3 * (
-                median(recorded, "owner_cpu_per_episode_s") - median(plain, "owner_cpu_per_episode_s")
-            )
-            # with every core busy producing, each CPU second the recorder takes is one the producers lose
-            ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
-            size = median(recorded, "bytes_per_episode")
-            # seconds of producer time per second of recording spent waiting for the recorder's copies
-            waited = median(recorded, "producer_wait_s") / args.seconds
-            rows.append((name, a, b, pairs, size, producer_ms, recorder_ms, ceiling, waited))
-            rounds.append(
-                f"{name}, episodes/s without -> with, in pair order: "
-                + ", ".join(
-                    f"{p['episodes_per_s']:.2f} -> {r['episodes_per_s']:.2f}" for p, r in zip(plain, recorded)
+            plain, by_niceness = production(source, args, scratch / name.replace(" ", "_"))
+            for niceness, recorded in by_niceness.items():
+                assert all(result["skipped"] == 0 for result in recorded)
+                a, b = median(plain, "episodes_per_s"), median(recorded, "episodes_per_s")
+                pairs = _pair_ratios(plain, recorded, "episodes_per_s")
+                producer_ms = 1e3 * median(plain, "producer_cpu_per_episode_s")
+                recorder_ms = 1e3 * (
+                    median(recorded, "owner_cpu_per_episode_s") - median(plain, "owner_cpu_per_episode_s")
                 )
-            )
+                # with every core busy producing, each CPU second the recorder takes is one the producers
+                # lose (unless it runs where they leave a core idle: the ratio may pass this ceiling)
+                ceiling = min(1.0, producer_ms / (producer_ms + max(recorder_ms, 0.0)))
+                size = median(recorded, "bytes_per_episode")
+                # seconds of producer time per second of recording spent waiting for the recorder's copies
+                waited = median(recorded, "producer_wait_s") / args.seconds
+                rows.append(
+                    (label(name, niceness), a, b, pairs, size, producer_ms, recorder_ms, ceiling, waited)
+                )
+                rounds.append(
+                    f"{label(name, niceness)}, episodes/s without -> with, by round: "
+                    + ", ".join(
+                        f"{p['episodes_per_s']:.2f} -> {r['episodes_per_s']:.2f}"
+                        for p, r in zip(plain, recorded)
+                    )
+                )
         print(
             "\n| record (2 producers, pick_place) | without eps/s | with eps/s | ratio (>= 0.95) "
             "| pairs' ratios | bytes/ep | producer CPU ms/ep | recorder CPU ms/ep "
@@ -303,23 +329,25 @@ def run(args: Args) -> int:
             )
         print("\n" + "\n".join(f"* {line}" for line in rounds))
 
-        plain, recorded = sampling(sources["low-dim"], args, scratch / "sampling")
-        a, b = (statistics.median(r["batches_per_s"] for r in rates) for rates in (plain, recorded))
-        ea, eb = (statistics.median(r["episodes_per_s"] for r in rates) for rates in (plain, recorded))
-        pairs = _pair_ratios(plain, recorded, "batches_per_s")
-        fresh = _pair_ratios(plain, recorded, "episodes_per_s")
+        plain, by_niceness = sampling(sources["low-dim"], args, scratch / "sampling")
         print(
             "\n| sample_batch(256, 16), refilling (trainer on a core of its own) | batches/s without "
             "| with recorder | ratio (>= 0.90) "
             "| pairs' ratios |"
         )
         print("|---|---:|---:|---:|---|")
-        ratio = statistics.median(pairs)
-        print(f"| low-dim pick_place | {a:.1f} | {b:.1f} | {ratio:.3f} | {_spread(pairs)} |")
-        print(
-            f"| (fresh episodes/s meanwhile) | {ea:.2f} | {eb:.2f} | {statistics.median(fresh):.3f} "
-            f"| {_spread(fresh)} |"
-        )
+        for niceness, recorded in by_niceness.items():
+            a, b = median(plain, "batches_per_s"), median(recorded, "batches_per_s")
+            ea, eb = median(plain, "episodes_per_s"), median(recorded, "episodes_per_s")
+            pairs = _pair_ratios(plain, recorded, "batches_per_s")
+            fresh = _pair_ratios(plain, recorded, "episodes_per_s")
+            ratio = statistics.median(pairs)
+            row = label("low-dim pick_place", niceness)
+            print(f"| {row} | {a:.1f} | {b:.1f} | {ratio:.3f} | {_spread(pairs)} |")
+            print(
+                f"| (fresh episodes/s meanwhile) | {ea:.2f} | {eb:.2f} | {statistics.median(fresh):.3f} "
+                f"| {_spread(fresh)} |"
+            )
 
         print("\n| replay (LeRobotSpec, 2 producers) | episodes/s |")
         print("|---|---:|")

@@ -33,6 +33,10 @@ def engine():
             "LeRobotRecorder.flush_interval_s must be a number in (0, 3600]",
         ),
         ({"flush_interval_s": True}, "LeRobotRecorder.flush_interval_s must be a number in (0, 3600]"),
+        ({"writer_niceness": -1}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got -1"),
+        ({"writer_niceness": 20}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got 20"),
+        ({"writer_niceness": 5.0}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got 5.0"),
+        ({"writer_niceness": True}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got True"),
     ],
 )
 def test_bad_settings(engine, tmp_path, kwargs, fragment):

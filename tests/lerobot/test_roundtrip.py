@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -61,6 +63,25 @@ def lowdim(tmp_path_factory):
     root = tmp_path_factory.mktemp("lowdim") / "ds"
     recorder, _ = _record(root, episodes=10)
     return root, recorder
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs os.getpriority (Linux)")
+@pytest.mark.parametrize("steps", [0, 7])
+def test_the_writer_thread_alone_runs_at_a_lower_priority(tmp_path, steps):
+    engine = OnlineDataEngine(
+        OnlineDataEngineCfg(source=PatternSpec(), buffer_size=4, num_workers=1, refill_policy="manual")
+    )
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    recorder = LeRobotRecorder(engine, tmp_path / "ds", flush_every=1, writer_niceness=steps)
+    with recorder, engine:
+        while not recorder.wait_flushed(1, timeout_s=0.5):  # the writer thread has written a group
+            recorder.check()
+            engine.check_health()
+            engine.request_refill()
+        threads = {t.name: t.native_id for t in threading.enumerate() if t.name.startswith("lerobot-")}
+        niceness = {name: os.getpriority(os.PRIO_PROCESS, tid) for name, tid in threads.items()}
+    assert niceness == {"lerobot-writer": min(19, own + steps), "lerobot-recorder": own}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 def test_recorder_writes_every_published_episode_once(lowdim):

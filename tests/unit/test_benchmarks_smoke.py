@@ -142,6 +142,11 @@ def test_bench_command_lists_the_benchmarks(capsys):
         (["production", "--quick", "--workers"], "--workers must be one or more numbers > 0, got ()"),
         (["sampling", "--seconds", "-1"], "--seconds must be a number > 0, got -1.0"),
         (["recording", "--rounds", "0"], "--rounds must be a number > 0, got 0"),
+        (
+            ["recording", "--writer-niceness", "0", "20"],
+            "--writer-niceness takes values in [0, 19], got (0, 20)",
+        ),
+        (["recording", "--quick", "--writer-niceness"], "--writer-niceness takes values in [0, 19], got ()"),
     ],
 )
 def test_bench_refuses_flags_out_of_range_before_running(capsys, argv, message):
