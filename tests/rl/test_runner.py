@@ -6,6 +6,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 
@@ -291,6 +292,20 @@ def test_resume_rejects_a_checkpoint_of_another_task(tmp_path):
         path = runner.last_run_summary["last_checkpoint"]
     with pytest.raises(ValueError, match="obs_dim, act_dim"):
         APPORunner(APPOConfig(env_id="InvertedPendulum-v5", mode="serial"), resume=path)
+
+
+def test_resume_rejects_a_checkpoint_of_another_task_with_the_same_dimensions(tmp_path):
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(1, log_dir=str(tmp_path))
+        path = runner.last_run_summary["last_checkpoint"]
+    other = env_id("slow_close")  # the same observation and action sizes
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"checkpoint {path} was trained on env_id={env_id('none')!r}; this runner has env_id={other!r}"
+        ),
+    ):
+        APPORunner(_tiny(mode="serial", env_id=other), resume=path)
 
 
 @pytest.mark.parametrize(

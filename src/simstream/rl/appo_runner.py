@@ -443,8 +443,8 @@ class APPORunner(AsyncRunner):
         the saved one: versions only increase, or a sync collector would wait for a newer one forever.
 
         Raises:
-            ValueError: ``path`` is not a checkpoint of this runner, or was trained with other dimensions,
-                network sizes or observation normalisation (naming the difference).
+            ValueError: ``path`` is not a checkpoint of this runner, or was trained on another ``env_id``,
+                with other dimensions, network sizes or observation normalisation (naming the difference).
         """
         self._raise_if_closed()
         try:
@@ -463,6 +463,12 @@ class APPORunner(AsyncRunner):
             raise ValueError(
                 f"checkpoint {path} has (obs_dim, act_dim) = {tuple(state['dims'])}, "
                 f"{self.config.env_id} has {(self.obs_dim, self.act_dim)}"
+            )
+        saved_env = state["config"].get("env_id")
+        if saved_env != self.config.env_id:  # same dimensions, another task: a resume would continue nothing
+            raise ValueError(
+                f"checkpoint {path} was trained on env_id={saved_env!r}; this runner has "
+                f"env_id={self.config.env_id!r}: a resumed run continues training on the checkpoint's task"
             )
         for name in ("hidden_sizes", "normalize_obs"):  # what the collector builds its own policy from
             saved, current = state["config"].get(name), getattr(self.config, name)
