@@ -45,9 +45,9 @@ _INT32, _UINT64 = struct.Struct("!i"), struct.Struct("!Q")
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 """``fcntl`` command for a pipe's capacity (Linux)."""
 _FEEDER_SLICE_S = 0.1
+"""Longest wait of the feeder thread before it looks whether its queue was closed."""
 _CLOSE_WAIT_S = 5.0
 """Longest wait of ``close()`` for this process's feeder thread to write its backlog."""
-"""Longest wait of the feeder thread before it looks whether its queue was closed."""
 
 
 class DirectQueue:
