@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -129,8 +130,188 @@ def test_missing_data_file(fixture_copy):
 def test_missing_video_file(fixture_copy):
     path = fixture_copy / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
     path.unlink()
-    with pytest.raises(LeRobotFormatError, match=rf"{path}: missing \(episode \d refers to it\)"):
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: missing \(the dataset's metadata refers to it\)"):
+        LeRobotSpec(fixture_copy)  # before any producer starts
+    LeRobotSpec(fixture_copy, fields_subset=("obs/state",))  # a replay without the camera needs no video
+
+
+def test_an_empty_video_file_is_refused_before_anything_streams(fixture_copy):
+    path = fixture_copy / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
+    path.write_bytes(b"")
+    with pytest.raises(LeRobotFormatError, match=rf"{path}: empty \(the dataset's metadata refers to it\)"):
+        LeRobotSpec(fixture_copy)
+
+
+def _two_group_dataset(root: Path) -> Path:
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    writer = DatasetWriter(root, features, 20)
+    for episode in range(2):  # two groups: two data files
+        writer.add(pattern_record(episode, image_size=None))
+        writer.flush()
+    writer.close()
+    return root
+
+
+def test_a_missing_data_file_of_a_later_episode_is_refused_before_anything_streams(tmp_path):
+    """Only the first data file was looked at: a partial download failed when a producer first drew one
+    of the missing file's episodes, deep into training."""
+    root = _two_group_dataset(tmp_path / "ds")
+    path = root / "data" / "chunk-000" / "file-001.parquet"
+    path.unlink()
+    with pytest.raises(
+        LeRobotFormatError, match=rf"^{path}: missing \(the dataset's metadata refers to it\)$"
+    ):
+        LeRobotSpec(root)
+
+
+def test_a_later_data_file_without_a_declared_column_is_refused_before_anything_streams(tmp_path):
+    import pyarrow.parquet as pq
+
+    root = _two_group_dataset(tmp_path / "ds")
+    path = root / "data" / "chunk-000" / "file-001.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["action"]), path)
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{path}: has no column\(s\) \['action'\] that meta/info.json declares"
+    ):
+        LeRobotSpec(root)
+
+
+@pytest.mark.parametrize("declared", ["int64", "bool", "uint8", "float64"])
+def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_copy, declared):
+    """They were cast without a word: float data declared int64 came back as 1001, 1001, 1001, ..."""
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.state"]["dtype"] = declared
+    info_path.write_text(json.dumps(info))
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    with pytest.raises(
+        LeRobotFormatError,
+        match=rf"{path}: column 'observation.state' holds float values; meta/info.json declares {declared}",
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+def test_png_images_of_another_size_than_info_json_declares_are_refused(fixture_copy):
+    """[3, 16, 64] has as many values as the 32x32 images: they were read scrambled."""
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.images.top"]["shape"] = [3, 16, 64]
+    info_path.write_text(json.dumps(info))
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    with pytest.raises(
+        LeRobotFormatError,
+        match=rf"{path}: column 'observation.images.top' holds 32x32 images; meta/info.json says 16x64",
+    ):
         _read_all(fixture_copy)
+
+
+@pytest.mark.parametrize("column", ["episode_index", "dataset_to_index", "data/chunk_index"])
+def test_an_episodes_file_with_an_empty_value_is_refused_naming_the_column(fixture_copy, column):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    values = table.column(column).to_pylist()
+    values[1] = None
+    table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, pa.int64()))
+    pq.write_table(table, path)
+    with pytest.raises(
+        LeRobotFormatError, match=rf"^{path}: column '{column}' is empty \(null\) for 1 episode\(s\)$"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+@pytest.mark.parametrize(
+    ("column", "fragment"),
+    [
+        ("task_index", "column 'task_index' is empty (null) for some frames"),
+        ("index", "column 'index' is empty (null) for some frames"),
+        ("observation.state", "column 'observation.state' holds empty (null) values"),
+    ],
+)
+def test_a_data_file_with_an_empty_value_is_refused_naming_the_column(fixture_copy, column, fragment):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    position = table.schema.get_field_index(column)
+    values = table.column(column).to_pylist()
+    values[3] = None
+    table = table.set_column(
+        position, table.schema.field(position), pa.array(values, table.schema.field(position).type)
+    )
+    pq.write_table(table, path)
+    with pytest.raises(LeRobotFormatError, match=re.escape(f"{path}: {fragment}")):
+        _read_all(fixture_copy)
+
+
+def test_a_list_column_whose_frames_hold_different_numbers_of_values_is_refused(fixture_copy):
+    """22 values in one frame and 24 in the next fit two frames of 23 when flattened: each value then sat
+    in the wrong frame."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    state = table.column("observation.state").to_pylist()
+    state[0], state[1] = state[0][:22], [*state[1], 99.0]
+    position = table.schema.get_field_index("observation.state")
+    kind = pa.list_(pa.float32())
+    table = table.set_column(position, pa.field("observation.state", kind), pa.array(state, kind))
+    pq.write_table(table, path)
+    with pytest.raises(
+        LeRobotFormatError,
+        match=re.escape(
+            f"{path}: column 'observation.state' holds 22 values in frame 0 of a row group; meta/info.json "
+            "declares shape [23] (23 per frame)"
+        ),
+    ):
+        _read_all(fixture_copy, fields_subset=("obs/state",))
+
+
+def test_a_video_file_without_a_video_stream_is_refused_naming_it(fixture_copy):
+    import av
+
+    path = fixture_copy / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
+    with av.open(str(path), "w", format="mp4") as container:  # sound only
+        stream = container.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for k in range(4):
+            frame.pts = k * 1024
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with pytest.raises(LeRobotFormatError, match=rf"^{path}: holds no video stream$"):
+        _read_all(fixture_copy)
+
+
+def _mark_success(root: Path, flags: list[bool]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    pq.write_table(pq.read_table(path).append_column("success", pa.array(flags)), path)
+
+
+def test_a_dataset_whose_every_episode_failed_is_refused_before_anything_starts(fixture_copy):
+    _mark_success(fixture_copy, [False, False, False])
+    with pytest.raises(
+        ValueError, match=rf"LeRobotSpec.root: every episode of {fixture_copy} is recorded with success=False"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+def test_the_default_row_capacity_is_the_longest_episode_streamed(fixture_copy):
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    lengths = [int(ep["length"]) for ep in read_dataset_meta(fixture_copy).episodes]
+    longest = int(np.argmax(lengths))
+    _mark_success(fixture_copy, [k != longest for k in range(len(lengths))])
+    expected = max(n for k, n in enumerate(lengths) if k != longest)
+    assert expected < max(lengths)
+    assert LeRobotSpec(fixture_copy).max_episode_steps == expected
 
 
 def test_truncated_video_file(fixture_copy):
@@ -169,6 +350,17 @@ def test_info_json_values_of_the_wrong_kind(fixture_copy, edit, fragment):
     info_path.write_text(json.dumps({**json.loads(info_path.read_text()), **edit}))
     with pytest.raises(LeRobotFormatError, match=rf"{info_path}: {fragment}"):
         LeRobotSpec(fixture_copy)
+
+
+@pytest.mark.parametrize("key_map", [["observation.state"], "observation.state=obs/s"])
+def test_a_key_map_that_is_not_a_mapping_is_refused(key_map):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"key_map must be a mapping {{lerobot_key: field_name}} or None, got {type(key_map).__name__}"
+        ),
+    ):
+        LeRobotSpec(FIXTURE, key_map=key_map)
 
 
 def test_unknown_key_in_key_map():

@@ -152,7 +152,7 @@ def test_values_that_do_not_fit_the_declared_shape(tmp_path, declared):
     data = root / "data" / "chunk-000" / "file-000.parquet"
     with pytest.raises(
         LeRobotFormatError,
-        match=re.escape(f"{data}: column 'observation.state' holds 48 values for 12 frames; meta/info.json "
+        match=re.escape(f"{data}: column 'observation.state' holds 4 values per frame; meta/info.json "
                         f"declares shape {declared}"),
     ):  # fmt: skip
         _read_all(root)

@@ -174,6 +174,7 @@ def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
         missing = [name for name in required if name not in table.column_names]
         if missing:
             raise LeRobotFormatError(f"{path}: has no column(s) {missing} that every episode needs")
+        _check_episode_columns(path, table, required)
         episodes.extend(table.to_pylist())
     episodes.sort(key=lambda e: e["episode_index"])
     expected_from = 0
@@ -194,6 +195,90 @@ def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
     tasks = _language(root / "meta" / "tasks.parquet", "task_index", "task", required=bool(episodes))
     subtasks = _language(root / "meta" / "subtasks.parquet", "subtask_index", "subtask", required=False)
     return DatasetMeta(root, info, episodes, tasks, subtasks)
+
+
+def _check_episode_columns(path: Path, table: Any, required: list[str]) -> None:
+    """Raise unless every column an episode needs holds a number for every episode (integers; a video's
+    ``from_timestamp`` may be a float)."""
+    import pyarrow as pa
+
+    for name in required:
+        column = table.column(name)
+        numeric = pa.types.is_integer(column.type) or (
+            name.endswith("/from_timestamp") and pa.types.is_floating(column.type)
+        )
+        if not numeric:
+            raise LeRobotFormatError(f"{path}: column {name!r} holds {column.type}, not numbers")
+        if column.null_count:
+            raise LeRobotFormatError(
+                f"{path}: column {name!r} is empty (null) for {column.null_count} episode(s)"
+            )
+
+
+def _leaf_type(kind: Any) -> Any:
+    """The type of the values inside a (nested) list type; the type itself when it is not a list."""
+    import pyarrow as pa
+
+    while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    return kind
+
+
+def _wanted_columns(path: Path, schema: Any, features: list[Feature]) -> list[str]:
+    """The columns a reader reads from the data file ``path`` of arrow ``schema``: every payload feature
+    but videos, ``index``, ``task_index``, and simstream's extras when it holds them.
+
+    Raises:
+        LeRobotFormatError: naming the file: a column is missing, or holds other values than
+            ``meta/info.json`` declares (float data declared ``int64`` would be cast without a word).
+    """
+    import pyarrow as pa
+
+    names = set(schema.names)
+    wanted = [f.key for f in features if f.dtype != "video"] + ["index", "task_index"]
+    wanted += [k for k in ("subtask_index", "segment_id") if k in names]
+    missing = [k for k in wanted if k not in names]
+    if missing:
+        raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
+    for f in features:
+        if f.visual:
+            continue
+        stored = _leaf_type(schema.field(f.key).type)
+        try:
+            matches = np.dtype(stored.to_pandas_dtype()) == np.dtype(f.dtype)
+        except (NotImplementedError, TypeError):  # strings, structs: no NumPy dtype at all
+            matches = False
+        if not matches:
+            raise LeRobotFormatError(
+                f"{path}: column {f.key!r} holds {stored} values; meta/info.json declares {f.dtype}"
+            )
+    for key in ("index", "task_index", "subtask_index", "segment_id"):
+        if key in wanted and not pa.types.is_integer(schema.field(key).type):
+            raise LeRobotFormatError(f"{path}: column {key!r} holds {schema.field(key).type}, not integers")
+    return wanted
+
+
+def check_episode_files(meta: DatasetMeta, features: list[Feature], episodes: list[int]) -> None:
+    """Check, before anything streams, every data and video file that ``episodes`` (positions in
+    ``meta.episodes``) refer to: it exists, and a data file holds the columns and dtypes of ``features``
+    (only the parquet footer is read). A partial download then fails at once, not when a producer first
+    draws one of its episodes, deep into training.
+
+    Raises:
+        LeRobotFormatError: naming the first file that is missing, empty or does not fit.
+    """
+    import pyarrow.parquet as pq
+
+    data_files = dict.fromkeys(meta.data_path(meta.episodes[i]) for i in episodes)
+    for path in data_files:
+        with _parquet(path):
+            _wanted_columns(path, pq.read_schema(path), features)
+    videos = [f.key for f in features if f.dtype == "video"]
+    for path in dict.fromkeys(meta.video_path(meta.episodes[i], key) for i in episodes for key in videos):
+        if not path.is_file():
+            raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
+        if path.stat().st_size == 0:
+            raise LeRobotFormatError(f"{path}: empty (the dataset's metadata refers to it)")
 
 
 @dataclass
@@ -251,13 +336,12 @@ class EpisodeReader:
 
         with _parquet(path):
             handle = pq.ParquetFile(path)
-            names = set(handle.schema_arrow.names)
-            wanted = [f.key for f in self.features if f.dtype != "video"] + ["index", "task_index"]
-            wanted += [k for k in ("subtask_index", "segment_id") if k in names]
-            missing = [k for k in wanted if k not in names]
-            if missing:
-                raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
-            index = handle.read(columns=["index"]).column("index").to_numpy()
+            wanted = _wanted_columns(path, handle.schema_arrow, self.features)
+            index_column = handle.read(columns=["index"]).column("index")
+        if index_column.null_count:
+            handle.close()
+            raise LeRobotFormatError(f"{path}: column 'index' is empty (null) for some frames")
+        index = index_column.to_numpy()
         rows = [handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         known = self._files[path] = _DataFile(handle, index, starts, wanted)
@@ -289,10 +373,18 @@ class EpisodeReader:
         import pyarrow as pa
 
         columns: dict[str, Any] = {}
+        for key in ("task_index", "subtask_index", "segment_id"):
+            if key in table.column_names:
+                column = table.column(key)
+                if column.null_count:
+                    raise LeRobotFormatError(f"{path}: column {key!r} is empty (null) for some frames")
+                columns[key] = column.to_numpy()
         for f in self.features:
             if f.dtype == "video":
                 continue
             column = table.column(f.key).combine_chunks()
+            if _null_values(column):
+                raise LeRobotFormatError(f"{path}: column {f.key!r} holds empty (null) values")
             if f.dtype == "image":
                 columns[f.key] = column.field("bytes").to_pylist()
             elif f.scalar:
@@ -300,13 +392,11 @@ class EpisodeReader:
             elif not pa.types.is_nested(column.type):  # a (1,) field, stored one value per frame
                 columns[f.key] = _per_frame(column.to_numpy(zero_copy_only=False), len(column), f, path)
             else:
+                _check_even(column, f, path)
                 values = column
                 while pa.types.is_nested(values.type):  # a list per frame, of lists for a feature of 2+ dims
                     values = values.flatten()
                 columns[f.key] = _per_frame(values.to_numpy(zero_copy_only=False), len(column), f, path)
-        for key in ("task_index", "subtask_index", "segment_id"):
-            if key in table.column_names:
-                columns[key] = table.column(key).to_numpy()
         return columns
 
     def read(self, episode_index: int, limit: int | None = None) -> EpisodeFrames:
@@ -353,6 +443,9 @@ class EpisodeReader:
                 container = av.open(str(path))
             except av.error.FFmpegError as error:
                 raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
+            if not container.streams.video:
+                container.close()
+                raise LeRobotFormatError(f"{path}: holds no video stream")
             self._containers[path] = container
             while len(self._containers) > self._open_videos:
                 self._containers.popitem(last=False)[1].close()
@@ -400,6 +493,46 @@ class EpisodeReader:
         self._cached_bytes = 0
 
 
+def _null_values(column: Any) -> bool:
+    """Whether ``column`` or any list level inside it holds a null."""
+    import pyarrow as pa
+
+    values = column
+    while True:
+        if values.null_count:
+            return True
+        if not pa.types.is_nested(values.type) or pa.types.is_struct(values.type):
+            return False
+        values = values.flatten()
+
+
+def _check_even(column: Any, feature: Feature, path: Path) -> None:
+    """Raise unless every frame of the list column holds the feature's number of values: flattened, a
+    frame of 22 values and one of 24 fit 2 frames of 23, each value then sitting in the wrong frame."""
+    import pyarrow as pa
+
+    bounds = np.arange(len(column) + 1) + column.offset  # each frame's first and end element, per level
+    values = column
+    while pa.types.is_nested(values.type):
+        if pa.types.is_fixed_size_list(values.type):
+            bounds = bounds * values.type.list_size
+        else:
+            bounds = values.offsets.to_numpy()[bounds - values.offset]
+        values = values.values
+        if not pa.types.is_nested(values.type):
+            break
+        bounds = bounds + values.offset
+    counts = np.diff(bounds)
+    per_frame = int(np.prod(feature.shape))
+    if len(counts) and not (counts == per_frame).all():
+        frame = int(np.flatnonzero(counts != per_frame)[0])
+        where = "per frame" if (counts == counts[0]).all() else f"in frame {frame} of a row group"
+        raise LeRobotFormatError(
+            f"{path}: column {feature.key!r} holds {int(counts[frame])} values {where}; meta/info.json "
+            f"declares shape {list(feature.shape)} ({per_frame} per frame)"
+        )
+
+
 def _per_frame(values: np.ndarray, frames: int, feature: Feature, path: Path) -> np.ndarray:
     """A column's flat values as ``[frames, *shape]``, or an error naming the file when they do not fit."""
     per_frame = int(np.prod(feature.shape))
@@ -428,6 +561,11 @@ def _png(data: bytes, feature: Feature, path: Path) -> np.ndarray:
         raise LeRobotFormatError(
             f"{path}: column {feature.key!r} holds an unreadable image ({error})"
         ) from error
+    if image.shape[:2] != tuple(feature.shape[1:]):
+        raise LeRobotFormatError(
+            f"{path}: column {feature.key!r} holds {image.shape[0]}x{image.shape[1]} images; meta/info.json "
+            f"says {feature.shape[1]}x{feature.shape[2]}"
+        )
     return image.transpose(2, 0, 1)
 
 

@@ -43,6 +43,11 @@ class KeyMap:
     """
 
     def __init__(self, overrides: Mapping[str, str] | None = None) -> None:
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ValueError(
+                "key_map must be a mapping {lerobot_key: field_name} or None, got "
+                f"{type(overrides).__name__} {overrides!r:.80}"
+            )
         overrides = dict(overrides or {})
         for key, name in overrides.items():
             if not isinstance(key, str) or not isinstance(name, str) or not key or not name:

@@ -48,7 +48,7 @@ class LeRobotSpec:
     num_envs: int = 1
     """Episodes (buffer rows) per rollout."""
     max_episode_steps: int | None = None
-    """Row capacity T; ``None``: the longest episode. Longer episodes are cut at T (truncated)."""
+    """Row capacity T; ``None``: the longest episode streamed. Longer episodes are cut at T (truncated)."""
     key_map: Mapping[str, str] | None = None
     """Overrides ``{lerobot_key: field_name}`` of the naming rule."""
     fields_subset: Sequence[str] | None = None
@@ -58,13 +58,19 @@ class LeRobotSpec:
     _fps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from .dataset import payload_features, read_dataset_meta
+        from .dataset import check_episode_files, payload_features, read_dataset_meta
 
         if type(self.num_envs) is not int or self.num_envs < 1:
             raise ValueError(f"LeRobotSpec.num_envs must be an int >= 1, got {self.num_envs!r}")
         meta = read_dataset_meta(self.root, stats=False)
         if not meta.episodes:
             raise ValueError(f"LeRobotSpec.root: {meta.root} holds no episode")
+        streamed = accepted_episodes(meta)
+        if not streamed:
+            raise ValueError(
+                f"LeRobotSpec.root: every episode of {meta.root} is recorded with success=False; nothing to "
+                "stream"
+            )
         key_map = KeyMap(self.key_map)
         features, skipped = payload_features(meta, key_map)
         if self.fields_subset is not None:
@@ -94,8 +100,9 @@ class LeRobotSpec:
             )
         if not features:
             raise ValueError(f"LeRobotSpec.root: {meta.root} holds no feature a replay can stream")
+        check_episode_files(meta, features, streamed)
         object.__setattr__(self, "_skipped", dict(skipped))
-        longest = max(int(ep["length"]) for ep in meta.episodes)
+        longest = max(int(meta.episodes[i]["length"]) for i in streamed)
         steps = longest if self.max_episode_steps is None else self.max_episode_steps
         if type(steps) is not int or steps < 1:
             raise ValueError(f"LeRobotSpec.max_episode_steps must be an int >= 1 or None, got {steps!r}")
@@ -135,7 +142,7 @@ class LeRobotEpisodeSource:
         self.meta = meta
         self.reader = EpisodeReader(meta, features)
         self.rng = np.random.default_rng(seed)
-        accepted = [i for i, ep in enumerate(meta.episodes) if ep.get("success", True) is not False]
+        accepted = accepted_episodes(meta)
         if not accepted:
             raise ValueError(f"{meta.root}: every episode is recorded with success=False; nothing to stream")
         self.episodes = np.asarray(accepted)
@@ -178,6 +185,11 @@ class LeRobotEpisodeSource:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def accepted_episodes(meta: DatasetMeta) -> list[int]:
+    """Positions of the episodes a replay streams: all but those recorded with ``success=False``."""
+    return [i for i, ep in enumerate(meta.episodes) if ep.get("success", True) is not False]
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
