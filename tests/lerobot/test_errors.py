@@ -176,7 +176,7 @@ def test_a_later_data_file_without_a_declared_column_is_refused_before_anything_
         LeRobotSpec(root)
 
 
-@pytest.mark.parametrize("declared", ["int64", "bool", "uint8", "float64"])
+@pytest.mark.parametrize("declared", ["int64", "bool", "uint8", "float16"])
 def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_copy, declared):
     """They were cast without a word: float data declared int64 came back as 1001, 1001, 1001, ..."""
     info_path = fixture_copy / "meta" / "info.json"
@@ -189,6 +189,26 @@ def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_cop
         match=rf"{path}: column 'observation.state' holds float values; meta/info.json declares {declared}",
     ):
         LeRobotSpec(fixture_copy)
+
+
+def test_values_a_declared_dtype_holds_exactly_are_read_in_it(fixture_copy):
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.state"]["dtype"] = "float64"  # the file holds float32
+    info_path.write_text(json.dumps(info))
+    spec = LeRobotSpec(fixture_copy, fields_subset=("obs/state",))
+    assert spec.fields()["obs/state"].dtype == torch.float64
+    source = spec.build(0, 0)
+    try:
+        state = source.reader.read(0).frames["obs/state"]  # the buffer's rows cast it on the copy
+    finally:
+        source.close()
+    original = LeRobotSpec(FIXTURE, fields_subset=("obs/state",)).build(0, 0)
+    try:
+        expected = original.reader.read(0).frames["obs/state"]
+    finally:
+        original.close()
+    np.testing.assert_array_equal(state.astype(np.float64), expected.astype(np.float64))
 
 
 def test_png_images_of_another_size_than_info_json_declares_are_refused(fixture_copy):

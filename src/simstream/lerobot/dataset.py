@@ -244,11 +244,11 @@ def _wanted_columns(path: Path, schema: Any, features: list[Feature]) -> list[st
         if f.visual:
             continue
         stored = _leaf_type(schema.field(f.key).type)
-        try:
-            matches = np.dtype(stored.to_pandas_dtype()) == np.dtype(f.dtype)
+        try:  # a lossless cast (float32 values of a float64 feature) is fine, any other is not
+            fits = np.can_cast(np.dtype(stored.to_pandas_dtype()), np.dtype(f.dtype), "safe")
         except (NotImplementedError, TypeError):  # strings, structs: no NumPy dtype at all
-            matches = False
-        if not matches:
+            fits = False
+        if not fits:
             raise LeRobotFormatError(
                 f"{path}: column {f.key!r} holds {stored} values; meta/info.json declares {f.dtype}"
             )
