@@ -351,6 +351,17 @@ def test_sample_batch_out_is_checked_before_any_write():
         assert (out == before).all()
 
 
+def test_sample_batch_refuses_the_shared_buffer_itself_as_out():
+    """Its rows have the right shape, dtypes and contiguity: a batch was written into published rows,
+    behind their seqlock, leaving run tables that no longer describe the frames."""
+    with OnlineDataEngine(make_cfg(ScriptedSpec(max_episode_steps=20))) as engine:
+        rows = engine.shared_buffer[0:2]
+        before = rows.clone()
+        with pytest.raises(ValueError, match=r"out\['\w+'\] is memory of the shared buffer itself"):
+            engine.sample_batch(2, 20, out=rows)
+        assert (engine.shared_buffer[0:2] == before).all()
+
+
 def test_del_of_an_unstopped_owner_engine_stops_its_workers():
     engine = OnlineDataEngine(make_cfg())
     engine.start()

@@ -32,6 +32,10 @@ def test_sample_batch_copies_only_the_named_keys():
         contexts = engine.sample_batch_with_context(8, 3, 2, keys=["actions"])
         assert _paths(contexts) == {("actions",), ("valid",), ("loss_mask",)}
         assert torch.equal(contexts["loss_mask"], contexts["valid"] & (torch.arange(4) >= 2))
+        for keys in ("loss_mask", ["loss_mask"], [("loss_mask",)], [("actions",), ("loss_mask",)]):
+            contexts = engine.sample_batch_with_context(8, 3, 2, keys=keys)  # ("loss_mask",) was a KeyError
+            named = {("actions",)} if isinstance(keys, list) and ("actions",) in keys else set()
+            assert _paths(contexts) == {*named, ("valid",), ("loss_mask",)}
         reused = engine.sample_batch(8, 4, keys=["actions"])
         assert engine.sample_batch(8, 4, out=reused, keys=["actions"]) is reused
 

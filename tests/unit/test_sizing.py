@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,8 +174,20 @@ def test_a_missing_shared_memory_folder_skips_the_check(tmp_path):
 @pytest.mark.parametrize(
     ("history", "horizon", "message"),
     [
-        (0, 2, "^Context lengths must be positive integers$"),
-        (2, True, "^Context lengths must be positive integers$"),
+        (
+            0,
+            2,
+            r"^Context lengths must be positive integers: history_length must be an int in \[1, "
+            r"max_episode_steps=20\], got 0$",
+        ),
+        (
+            2,
+            True,
+            r"^Context lengths must be positive integers: prediction_horizon must be an int in \[1, "
+            r"max_episode_steps=20\], got True$",
+        ),
+        (2, -5, r"^Context lengths must be positive integers: prediction_horizon .* got -5$"),
+        (2.0, 2, r"^Context lengths must be positive integers: history_length .* got 2.0$"),
         (10**13, 2, r"^history_length must be an int in \[1, max_episode_steps=20\], got 10000000000000: "),
         (2, 21, r"^prediction_horizon must be an int in \[1, max_episode_steps=20\], got 21: "),
     ],
@@ -185,8 +198,10 @@ def test_context_lengths_are_bounded_by_the_row(history, horizon, message):
 
 
 def test_context_lengths_up_to_the_row_pass():
-    check_context_lengths(20, 20, 20)
-    check_context_lengths(1, 1, 20)
+    assert check_context_lengths(20, 20, 20) == (20, 20)
+    assert check_context_lengths(1, 1, 20) == (1, 1)
+    lengths = check_context_lengths(np.int64(3), np.uint8(2), 20)  # NumPy ints, as for batch_size
+    assert lengths == (3, 2) and all(type(n) is int for n in lengths)
 
 
 def _layout() -> SourceLayout:

@@ -263,8 +263,9 @@ class OnlineDataEngine(EngineLifecycle):
 
         Args:
             batch_size: Contexts in the batch (drawn with replacement).
-            history_length: Observation frames up to and including the anchor (``>= 1``).
-            prediction_horizon: Target frames from the anchor on (``>= 1``).
+            history_length: Observation frames up to and including the anchor, in ``[1, T]``
+                (``max_episode_steps``: a context never reaches past its row).
+            prediction_horizon: Target frames from the anchor on, in ``[1, T]``.
             generator: Optional RNG for reproducible draws.
             sampling_mode: ``"episode"`` or ``"segment"`` (context inside one accepted segment).
             generations: Only anchors of these generations (needs ``include_provenance=True``).
@@ -276,10 +277,13 @@ class OnlineDataEngine(EngineLifecycle):
         Raises:
             ValueError, KeyError: bad arguments or ``keys``, as in :meth:`sample_batch`; nothing is copied.
             DataUnavailableError: no eligible anchor, after the same bounded wait as :meth:`sample_batch`.
+            DataBudgetExhaustedError: with per-episode quotas, fewer units remain than contexts asked for
+                (one unit per context); nothing is charged.
+            RuntimeError: the engine is not ``READY``, or a producer failed (its original exception).
         """
-        check_context_lengths(history_length, prediction_horizon, self.max_episode_steps)
-        if any(type(n) is not int or n < 1 for n in (history_length, prediction_horizon)):
-            raise ValueError("Context lengths must be positive integers")
+        history_length, prediction_horizon = check_context_lengths(
+            history_length, prediction_horizon, self.max_episode_steps
+        )
         if sampling_mode not in ("episode", "segment"):
             raise ValueError("Context sampling_mode must be episode or segment")
         if generations is not None and (

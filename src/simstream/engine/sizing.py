@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import numbers
 import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -174,24 +175,30 @@ def require_fits(regions: list[SharedRegion], free_bytes: int, path: str = SHM_P
     )
 
 
-def check_context_lengths(history_length: object, prediction_horizon: object, max_steps: int) -> None:
-    """Bound the context lengths of ``sample_batch_with_context`` before a batch is allocated.
+def check_context_lengths(
+    history_length: object, prediction_horizon: object, max_steps: int
+) -> tuple[int, int]:
+    """Bound the context lengths of ``sample_batch_with_context`` before a batch is allocated; returns
+    them as ``int`` (NumPy integers are accepted, as for ``batch_size``).
 
     A context never reaches past its row, so positions more than ``T - 1`` frames from the anchor are
     always padding: each length is accepted in ``[1, T]``.
 
     Raises:
-        ValueError: the reference's message for a length that is not a positive int; otherwise naming
-            the length and its accepted range.
+        ValueError: naming the length and its accepted range; for a length that is not a positive
+            integer the message starts with the reference's.
     """
+    lengths = []
     for name, value in (("history_length", history_length), ("prediction_horizon", prediction_horizon)):
-        if type(value) is not int or value < 1:
-            raise ValueError("Context lengths must be positive integers")
+        accepted = f"{name} must be an int in [1, max_episode_steps={max_steps}], got {value!r}"
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"Context lengths must be positive integers: {accepted}")
         if value > max_steps:
             raise ValueError(
-                f"{name} must be an int in [1, max_episode_steps={max_steps}], got {value!r}: a context "
-                "never reaches past its row, so longer ones would only add padding"
+                f"{accepted}: a context never reaches past its row, so longer ones would only add padding"
             )
+        lengths.append(int(value))
+    return lengths[0], lengths[1]
 
 
 def _whole_pages(region: SharedRegion) -> SharedRegion:

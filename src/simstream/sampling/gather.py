@@ -218,13 +218,24 @@ class BatchGatherer:
         self._every = tuple(range(len(self._paths)))
         self._layouts: dict[tuple[int, int, tuple[int, ...]], BatchLayout] = {}
         self._windows: dict[int, list[torch.Tensor | None]] = {}
+        self._buffer_memory: list[tuple[int, int]] | None = None
         self.pool = pool if pool is not None else ArenaPool()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_windows"] = {}  # views are rebuilt on demand, never pickled
         state["_checked"] = None
+        state["_buffer_memory"] = None  # addresses of this process's mappings
         return state
+
+    def _buffer_ranges(self) -> list[tuple[int, int]]:
+        """Per key, the addresses of its shared memory in this process."""
+        if self._buffer_memory is None:
+            self._buffer_memory = [
+                (source.data_ptr(), source.data_ptr() + source.numel() * source.element_size())
+                for source in self._sources
+            ]
+        return self._buffer_memory
 
     @property
     def paths(self) -> tuple[tuple[str, ...], ...]:
@@ -328,6 +339,7 @@ class BatchGatherer:
             for key, leaf in out.items(include_nested=True, leaves_only=True)
         }
         targets = []
+        buffer = self._buffer_ranges()
         for column in columns:
             path, dtype, frame = self._paths[column], self._dtypes[column], self._frames[column]
             target = leaves.get(path)
@@ -346,6 +358,13 @@ class BatchGatherer:
                     f"{(n, length, *frame)} on the CPU (where the buffer is), got {target.dtype} "
                     f"{tuple(target.shape)} on {target.device}"
                     f"{'' if target.is_contiguous() else ' (not contiguous)'}."
+                )
+            low, high = buffer[column]
+            if low <= target.data_ptr() < high:  # engine.shared_buffer (a view of its own key) as out
+                raise ValueError(
+                    f"out[{'/'.join(path)!r}] is memory of the shared buffer itself (engine.shared_buffer "
+                    "or a view of it): a batch written there would overwrite published rows; pass a batch "
+                    "from sample_batch as out"
                 )
             targets.append((None, target))
         return targets

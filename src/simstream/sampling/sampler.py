@@ -203,8 +203,8 @@ class WindowSampler:
             cache_key, columns = None, None
         if columns is None:
             entries = [keys] if isinstance(keys, str) else keys
-            if derived and isinstance(entries, (list, tuple)):
-                entries = [key for key in entries if not (isinstance(key, str) and key in derived)]
+            if derived and isinstance(entries, (list, tuple)):  # "loss_mask" or ("loss_mask",)
+                entries = [key for key in entries if not _names_one_of(key, derived)]
             columns = select_keys(self.gatherer.paths, entries)
             if cache_key is not None:
                 if len(self._selections) > 64:
@@ -401,3 +401,10 @@ def _rank_within_value(values: np.ndarray) -> np.ndarray:
     rank = np.empty(values.size, np.int64)
     rank[order] = position - np.maximum.accumulate(np.where(starts, position, 0))
     return rank
+
+
+def _names_one_of(key: object, names: tuple[str, ...]) -> bool:
+    """Whether ``key`` is one of the top-level ``names``, as a str or a tuple of one str."""
+    if isinstance(key, tuple) and len(key) == 1:
+        key = key[0]
+    return isinstance(key, str) and key in names
