@@ -31,6 +31,7 @@ from simstream.bc.data import InstructionTable, context_batch
 from simstream.bc.evaluate import _ChunkExecutor
 from simstream.bc.policy import FEATURE_DIM, absolute_actions, relative_actions
 from simstream.bc.text import tokenize
+from simstream.tasks import list_tasks, task_instructions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,11 +65,43 @@ def test_embedding_is_the_same_in_another_process():
 
 
 def test_embedding_settings_round_trip_and_validate():
-    embed = HashedTextEmbedding(dim=48, ngram=1)
-    again = HashedTextEmbedding.from_state_dict(embed.state_dict())
-    assert torch.equal(again([RED]), embed([RED]))
+    for ngram in (1, 2, 3):
+        embed = HashedTextEmbedding(dim=48, ngram=ngram)
+        again = HashedTextEmbedding.from_state_dict(embed.state_dict())
+        assert torch.equal(again([RED]), embed([RED]))
     with pytest.raises(ValueError, match=r"HashedTextEmbedding\.dim must be an int >= 8, got 4"):
         HashedTextEmbedding(4)
+    with pytest.raises(ValueError, match=r"HashedTextEmbedding\.ngram must be an int in \[1, 3\], got 4"):
+        HashedTextEmbedding(64, ngram=4)
+
+
+def test_a_pair_embedding_is_what_checkpoints_saved_before_triples_hold():
+    """Words and adjacent pairs, as every checkpoint saved with ngram=2 was trained on."""
+    from simstream.bc.text import _bucket
+
+    words = ["stack", "the", "red", "cube"]
+    features = [*words, "stack the", "the red", "red cube"]
+    expected = torch.zeros(32)
+    for feature in features:
+        index, sign = _bucket(feature, 32)
+        expected[index] += sign
+    torch.testing.assert_close(
+        HashedTextEmbedding(32, ngram=2).embed_one(" ".join(words)), expected / expected.norm()
+    )
+
+
+@pytest.mark.parametrize("task", list_tasks())
+def test_every_instruction_of_every_task_embeds_apart_from_the_others(task):
+    """With words and pairs only, "stack the red cube on the blue cube" and its swap embedded the same:
+    a policy could not tell which cube goes on top."""
+    texts = task_instructions(task, subtasks=True)
+    vectors = HashedTextEmbedding(64)(list(texts))
+    distances = torch.cdist(vectors, vectors) + torch.eye(len(texts)) * 10
+    closest = int(distances.min(dim=1).values.argmin())
+    assert float(distances.min()) > 0.1, (texts[closest], float(distances.min()))
+    swapped = ("stack the red cube on the blue cube", "stack the blue cube on the red cube")
+    assert not torch.equal(*HashedTextEmbedding(64)(list(swapped)))
+    assert torch.equal(*HashedTextEmbedding(64, ngram=2)(list(swapped)))  # why pairs were not enough
 
 
 # ---------------------------------------------------------------------------------------- loss masking

@@ -1,4 +1,4 @@
-"""A small deterministic text embedding: hashed bag of words (and word pairs) of an instruction.
+"""A small deterministic text embedding: hashed bag of words, word pairs and triples of an instruction.
 
 No vocabulary, no download, no training: the embedding of a text is a pure function of the text and the
 two settings stored with every checkpoint (``dim``, ``ngram``), so a policy conditioned on it can be
@@ -8,7 +8,6 @@ reloaded in any process and reads instructions it never saw during training the 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import re
 from collections.abc import Sequence
 
@@ -35,8 +34,8 @@ def _bucket(feature: str, dim: int) -> tuple[int, float]:
 class HashedTextEmbedding:
     """Maps instruction texts to unit vectors ``float32 [dim]`` by signed feature hashing.
 
-    Every word and (with ``ngram=2``) every pair of adjacent words adds ``±1`` to one of ``dim`` buckets,
-    bucket and sign drawn from an unkeyed BLAKE2b digest of the feature; the sum is L2-normalised:
+    Every word and, up to ``ngram``, every run of 2 or 3 adjacent words adds ``±1`` to one of ``dim``
+    buckets, bucket and sign drawn from an unkeyed BLAKE2b digest of the feature; the sum is L2-normalised:
 
         e(text) = v / ||v||,  v = sum_f sign(f) * onehot(bucket(f))
 
@@ -44,7 +43,10 @@ class HashedTextEmbedding:
 
     Args:
         dim: Embedding width (>= 8).
-        ngram: 1 for words only, 2 to add adjacent word pairs (word order matters then).
+        ngram: Longest run of adjacent words hashed: 1 (words only), 2 (and pairs) or 3 (and triples,
+            the default). Pairs are not enough for word order: "stack the red cube on the blue cube"
+            and "stack the blue cube on the red cube" hold the same words and the same pairs, and
+            embed identically with ``ngram=2`` (checkpoints saved so keep their setting).
 
     Raises:
         ValueError: naming the argument when it is out of range.
@@ -55,10 +57,9 @@ class HashedTextEmbedding:
         torch.Size([1, 64])
     """
 
-    def __init__(self, dim: int = 64, ngram: int = 2) -> None:
+    def __init__(self, dim: int = 64, ngram: int = 3) -> None:
         require_int("HashedTextEmbedding", "dim", dim, 8)
-        if ngram not in (1, 2):
-            raise ValueError(f"HashedTextEmbedding.ngram must be 1 or 2, got {ngram!r}")
+        require_int("HashedTextEmbedding", "ngram", ngram, 1, 3)
         self.dim = dim
         self.ngram = ngram
         self._cache: dict[str, torch.Tensor] = {}
@@ -78,7 +79,11 @@ class HashedTextEmbedding:
         if cached is not None:
             return cached
         words = tokenize(text)
-        features = words + ([f"{a} {b}" for a, b in itertools.pairwise(words)] if self.ngram == 2 else [])
+        features = [
+            " ".join(words[start : start + n])
+            for n in range(1, self.ngram + 1)
+            for start in range(len(words) - n + 1)
+        ]
         vector = torch.zeros(self.dim)
         for feature in features:
             index, sign = _bucket(feature, self.dim)
