@@ -174,10 +174,24 @@ def test_normalizer_uses_valid_frames_and_targets_only():
     assert policy.target_std.min() >= 1e-3
 
 
-@pytest.mark.parametrize("name,value", [("history", 0), ("horizon", 0), ("hidden", 2), ("layers", 0)])
-def test_policy_config_names_the_bad_field(name, value):
-    with pytest.raises(ValueError, match=f"PolicyConfig.{name} must be an int >= "):
+@pytest.mark.parametrize(
+    ("name", "value", "accepted"),
+    [
+        ("history", 0, ">= 1"),
+        ("horizon", 0, ">= 1"),
+        ("hidden", 2, "in [8, 8192]"),
+        ("hidden", 10_000_000, "in [8, 8192]"),  # failed in the allocator after 30 s, a run folder made
+        ("layers", 0, "in [1, 32]"),
+        ("text_dim", 5000, "in [8, 4096]"),
+    ],
+)
+def test_policy_config_names_the_bad_field(name, value, accepted):
+    with pytest.raises(
+        ValueError, match=re.escape(f"PolicyConfig.{name} must be an int {accepted}, got {value}")
+    ):
         PolicyConfig(**{name: value})
+    with pytest.raises(ValueError, match=re.escape(f"DemoConfig.{name} must be an int")):
+        DemoConfig(**{name: value})
 
 
 # ---------------------------------------------------------------------------------------- batches

@@ -468,7 +468,9 @@ def test_load_checkpoint_rejects_an_unknown_policy_kind(tmp_path):
     [
         ({"image_size": 8}, "DemoConfig.image_size must be an int in [16, 256], got 8"),
         ({"image_size": 64, "shift": 17}, "DemoConfig.shift must be an int in [0, 16], got 17"),
-        ({"channels": 4}, "DemoConfig.channels must be an int >= 8, got 4"),
+        ({"channels": 4}, "DemoConfig.channels must be an int in [8, 512], got 4"),
+        ({"channels": 100_000}, "DemoConfig.channels must be an int in [8, 512], got 100000"),
+        ({"hidden": 10_000_000}, "DemoConfig.hidden must be an int in [8, 8192], got 10000000"),
         ({"cameras": ()}, "DemoConfig.cameras must be one or more distinct cameras of"),
         ({"cameras": ("front", "front")}, "DemoConfig.cameras must be one or more distinct cameras of"),
         ({"cameras": ("back",)}, "got ('back',)"),
@@ -495,7 +497,8 @@ def test_demo_config_rejects_bad_vision_settings(kwargs, message):
     ("kwargs", "message"),
     [
         ({"image_size": 600}, "VisionPolicyConfig.image_size must be an int in [16, 512], got 600"),
-        ({"keypoints": 0}, "VisionPolicyConfig.keypoints must be an int >= 1, got 0"),
+        ({"keypoints": 0}, "VisionPolicyConfig.keypoints must be an int in [1, 1024], got 0"),
+        ({"channels": 513}, "VisionPolicyConfig.channels must be an int in [8, 512], got 513"),
         ({"shift": -1}, "VisionPolicyConfig.shift must be an int in [0, 16], got -1"),
         ({"cameras": ("side",)}, "VisionPolicyConfig.cameras must be a nonempty tuple of distinct cameras"),
         ({"object_dim": 3}, "VisionPolicyConfig.object_dim must be 0 (no auxiliary head) or 9"),

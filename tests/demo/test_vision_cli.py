@@ -23,10 +23,38 @@ def vision_run(tmp_path_factory) -> Path:
     """One ``demo --vision --quick`` run in a child process, shared by the tests of this module."""
     runs = tmp_path_factory.mktemp("runs")
     argv = [sys.executable, "-m", "simstream", "demo", "--vision", "--quick", "--runs-dir", str(runs)]
-    done = subprocess.run([*argv, "--name", "vq"], capture_output=True, text=True, timeout=280)
+    record = ["--record", str(runs / "vq_dataset")]  # the cameras' stream, for the replay test below
+    done = subprocess.run([*argv, "--name", "vq", *record], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "closed-loop success on pick_place" in done.stdout
     return runs / "vq"
+
+
+def test_vision_from_a_recorded_dataset_writes_its_strips_and_refuses_another_image_size(
+    vision_run, tmp_path
+):
+    """A replayed vision run wrote no strips (they were tied to the live source's bare-rate measurement),
+    and a dataset of 64x64 cameras trained a policy that --image-size 32 then evaluated on 32x32 renders."""
+    dataset, runs = vision_run.parent / "vq_dataset", tmp_path / "runs"
+    argv = [sys.executable, "-m", "simstream", "demo", "--vision", "--quick", "--runs-dir", str(runs)]
+    wrong = subprocess.run(
+        [*argv, "--dataset", str(dataset), "--image-size", "32"], capture_output=True, text=True, timeout=120
+    )
+    assert wrong.returncode == 2, wrong.stderr[-3000:]
+    assert (
+        f"DemoConfig.image_size is 32, but the camera 'obs/images/front' of the dataset {dataset} is 64x64: "
+        "pass --image-size 64" in " ".join(wrong.stderr.split())
+    )
+    assert not runs.exists()
+    done = subprocess.run(
+        [*argv, "--name", "replay", "--dataset", str(dataset)], capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((runs / "replay" / "summary.json").read_text())
+    assert "bare_source" not in summary["stream"]  # a dataset has no simulation to measure alone
+    strips = [Path(path) for path in summary["strips"]]
+    assert strips and all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in strips)
+    assert f"replayed from the LeRobot dataset `{dataset}`" in (runs / "replay" / "report.md").read_text()
 
 
 def test_vision_quick_writes_report_plots_strip_and_checkpoint(vision_run):

@@ -603,3 +603,26 @@ def test_episodes_count_as_flushed_only_once_info_json_says_so(tmp_path, monkeyp
         writer.add(pattern_record(episode, image_size=None))
         writer.flush()
     assert seen == [(0, 1), (1, 2)] and writer.episodes_flushed == 2
+
+
+def test_the_demo_refuses_a_dataset_whose_camera_has_another_size_than_its_image_size(tmp_path):
+    """It trained on the dataset's 16x16 frames and evaluated the policy on 32x32 renders, without a word."""
+    from types import SimpleNamespace
+
+    from simstream.bc.recording import demo_source
+
+    features = features_from_fields(PatternSpec(image_size=16).fields(), KeyMap(), video=False)
+    with DatasetWriter(tmp_path / "ds", features, 20) as writer:
+        writer.add(pattern_record(0, image_size=16))
+        writer.flush()
+    cfg = SimpleNamespace(dataset=tmp_path / "ds", image_size=32)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"DemoConfig.image_size is 32, but the camera 'obs/image' of the dataset {tmp_path / 'ds'} is "
+            "16x16: pass --image-size 16"
+        ),
+    ):
+        demo_source(cfg, PatternSpec(image_size=32))
+    replay = demo_source(SimpleNamespace(dataset=tmp_path / "ds", image_size=16), PatternSpec(image_size=16))
+    assert replay.fields() == PatternSpec(image_size=16).fields()

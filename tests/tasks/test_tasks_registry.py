@@ -109,3 +109,26 @@ def test_image_size_accepts_numpy_integers():
     spec = tasks.make_source("pick_place", image_size=np.int64(32))
     assert spec.image_size == (32, 32) and type(spec.image_size[0]) is int
     assert tasks.make_source("pick_place", image_size=(np.int32(16), 24)).image_size == (16, 24)
+
+
+@pytest.mark.parametrize("backend", ["nonexistent", "osmesa"])
+def test_a_mujoco_that_cannot_load_its_gl_backend_is_named_in_the_error(backend):
+    """mujoco's GL setup raises an AttributeError when osmesa's library is missing; escaping the lazy
+    import, it read as "cannot import name 'ScriptedExpert'", hiding the cause and the fix."""
+    import ctypes.util
+    import os
+
+    if backend == "osmesa" and ctypes.util.find_library("OSMesa"):
+        pytest.skip("OSMesa is installed here: mujoco loads with it")
+    code = "from simstream.tasks import ScriptedExpert"
+    env = {**os.environ, "MUJOCO_GL": backend}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"ImportError: simstream.tasks.ScriptedExpert needs MuJoCo, whose import failed with MUJOCO_GL="
+        f"{backend!r}: "
+    ), last
+    assert "set MUJOCO_GL=osmesa (apt libosmesa6)" in last

@@ -11,8 +11,8 @@ from .._runs import is_folder_name
 from .._validation import require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
-from .policy import PolicyConfig
-from .vision import OBJECT_DIM, VisionPolicyConfig
+from .policy import NETWORK_SIZE_BOUNDS, PolicyConfig
+from .vision import MAX_CHANNELS, OBJECT_DIM, VisionPolicyConfig
 
 __all__ = ["QUICK_OVERRIDES", "QUICK_VISION_OVERRIDES", "VISION_OVERRIDES", "DemoConfig"]
 
@@ -212,7 +212,9 @@ class DemoConfig:
         get_task(self.task)
         require_int("DemoConfig", "image_size", self.image_size, 16, 256)
         require_int("DemoConfig", "shift", self.shift, 0, self.image_size // 4)
-        require_int("DemoConfig", "channels", self.channels, 8)
+        require_int("DemoConfig", "channels", self.channels, 8, MAX_CHANNELS)
+        for name, low, high in NETWORK_SIZE_BOUNDS:  # named here: the flags are the demo's
+            require_int("DemoConfig", name, getattr(self, name), low, high)
         self._check_cameras()
         self._check_device()
         self.training_dtype  # noqa: B018  (validates precision)

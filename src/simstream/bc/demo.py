@@ -265,6 +265,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     if bare is not None:
         summary["stream"]["bare_source"] = bare
         summary["stream"]["bare_episodes_per_s_all_workers"] = bare["episodes_per_s"] * cfg.num_workers
+    if cfg.vision:  # what the policy saw in evaluation, whether it trained live or from a dataset
         summary["strips"] = [str(path) for path in write_strips(run_dir, result.strips)]
     summary.update(startup_time_s=startup_s, eval_time_s=eval_s, checkpoint=str(checkpoint_path))
     final = summary["final_eval"]

@@ -131,8 +131,13 @@ class PolicyConfig:
     """Width of the instruction embedding."""
 
     def __post_init__(self) -> None:
-        for name, low in (("history", 1), ("horizon", 1), ("hidden", 8), ("layers", 1), ("text_dim", 8)):
-            require_int("PolicyConfig", name, getattr(self, name), low)
+        for name, low, high in (("history", 1, None), ("horizon", 1, None), *NETWORK_SIZE_BOUNDS):
+            require_int("PolicyConfig", name, getattr(self, name), low, high)
+
+
+NETWORK_SIZE_BOUNDS = (("hidden", 8, 8192), ("layers", 1, 32), ("text_dim", 8, 4096))
+"""Accepted ``(field, low, high)`` of a policy's sizes: past these a network no longer fits the memory
+of a machine this demo runs on (``--hidden 10000000`` failed in the allocator after 30 s)."""
 
 
 class ChunkPolicy(nn.Module):

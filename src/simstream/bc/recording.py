@@ -27,16 +27,36 @@ shorter bursts of writing never measured worse (``BENCHMARKS.md``, recording run
 
 
 def demo_source(cfg: Any, live_source: Any) -> Any:
-    """``live_source``, or with ``cfg.dataset`` the dataset's episodes with the same field names.
+    """``live_source``, or with ``cfg.dataset`` the dataset's episodes with the same field names, shapes
+    and dtypes (a camera of another size would train the policy on one size and evaluate it on renders
+    of another).
 
     Raises:
-        ValueError: naming the dataset file that is wrong, or the fields it lacks.
+        ValueError: naming the dataset file that is wrong, the fields it lacks, or a field that differs
+            (a camera: naming ``--image-size``).
     """
     if getattr(cfg, "dataset", None) is None:
         return live_source
     from simstream.lerobot import LeRobotSpec
 
-    return LeRobotSpec(cfg.dataset, fields_subset=tuple(live_source.fields()))
+    replay = LeRobotSpec(cfg.dataset, fields_subset=tuple(live_source.fields()))
+    stored, live = replay.fields(), live_source.fields()
+    for name, field in live.items():
+        if (stored[name].shape, stored[name].dtype) == (field.shape, field.dtype):
+            continue
+        if len(field.shape) == 3 and field.dtype is stored[name].dtype and hasattr(cfg, "image_size"):
+            # the policy would train on the dataset's size and be evaluated on renders of this size
+            height, width = stored[name].shape[1:]
+            fix = f"pass --image-size {height}" if height == width else "the demo renders square cameras"
+            raise ValueError(
+                f"DemoConfig.image_size is {cfg.image_size}, but the camera {name!r} of the dataset "
+                f"{replay.root} is {height}x{width}: {fix}"
+            )
+        raise ValueError(
+            f"DemoConfig.dataset: the field {name!r} of {replay.root} is {stored[name].dtype} "
+            f"{tuple(stored[name].shape)}; the live task's is {field.dtype} {tuple(field.shape)}"
+        )
+    return replay
 
 
 def demo_recorder(engine: Any, cfg: Any) -> Any:

@@ -35,6 +35,7 @@ from .policy import (
     _NUM_CUBES,
     _TCP,
     ACTION_DIM,
+    NETWORK_SIZE_BOUNDS,
     NUM_JOINTS,
     absolute_actions,
     cube_positions,
@@ -81,6 +82,8 @@ def proprio_features(state: torch.Tensor) -> torch.Tensor:
     return state[..., _KEPT_STATE]
 
 
+MAX_CHANNELS = 512
+"""Most channels of the image encoder's convolutions (``--channels 100000`` failed in the allocator)."""
 OBJECT_DIM = 3 * _NUM_CUBES
 """Auxiliary target: the position (3) of each of the three cubes, in ``obs/objects`` order (9 values)."""
 
@@ -167,9 +170,9 @@ class VisionPolicyConfig:
             "VisionPolicyConfig", "cameras", f"a nonempty tuple of distinct cameras from {CAMERAS}", cameras,
         )  # fmt: skip
         require_int("VisionPolicyConfig", "image_size", self.image_size, 16, 512)
-        for name, low in (("history", 1), ("horizon", 1), ("hidden", 8), ("layers", 1), ("text_dim", 8),
-                          ("channels", 8), ("keypoints", 1)):  # fmt: skip
-            require_int("VisionPolicyConfig", name, getattr(self, name), low)
+        for name, low, high in (("history", 1, None), ("horizon", 1, None), *NETWORK_SIZE_BOUNDS,
+                                ("channels", 8, MAX_CHANNELS), ("keypoints", 1, 1024)):  # fmt: skip
+            require_int("VisionPolicyConfig", name, getattr(self, name), low, high)
         require_int("VisionPolicyConfig", "shift", self.shift, 0, self.image_size // 4)
         require(
             self.object_dim in (0, OBJECT_DIM), "VisionPolicyConfig", "object_dim",

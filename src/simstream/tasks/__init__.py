@@ -13,6 +13,7 @@ Examples:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from . import pick_place, stack  # noqa: F401  (registers the built-in tasks)
@@ -67,5 +68,16 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         from importlib import import_module
 
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+        try:
+            module = import_module(f"{__name__}.{_LAZY[name]}")
+        except Exception as error:
+            # an AttributeError escaping here (mujoco's GL setup raises one when its backend cannot load)
+            # would read as "cannot import name" to a `from simstream.tasks import ...`, hiding the cause
+            backend = os.environ.get("MUJOCO_GL")
+            raise ImportError(
+                f"simstream.tasks.{name} needs MuJoCo, whose import failed with MUJOCO_GL={backend!r}: "
+                f"{type(error).__name__}: {error}. Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt "
+                "libosmesa6) before mujoco is first imported"
+            ) from error
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
