@@ -485,3 +485,44 @@ def test_demo_refuses_to_record_into_a_file_and_writes_nothing(tmp_path, capsys)
         capsys.readouterr().err
     )
     assert not runs.exists()
+
+
+_FORKSERVER_SPY = """
+import signal, threading
+from multiprocessing import forkserver
+
+first = []
+real = forkserver.ensure_running
+
+
+def spy():
+    if not first:
+        on_main = threading.current_thread() is threading.main_thread()
+        first.append((on_main, signal.getsignal(signal.SIGINT) is signal.SIG_IGN))
+    real()
+
+
+forkserver.ensure_running = spy
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.bc.demo import start_with_progress
+from simstream.synthetic import SyntheticSpec
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(OnlineDataEngineCfg(source=SyntheticSpec(), buffer_size=4))
+    try:
+        start_with_progress(engine, 4, 120.0)
+    finally:
+        engine.stop()
+    print(first)
+"""
+
+
+def test_the_demo_starts_the_forkserver_on_the_main_thread_with_ctrl_c_ignored(tmp_path):
+    """The demo's engine starts on a helper thread (behind a progress bar), where the forkserver started
+    with Python's Ctrl-C handler: a terminal's Ctrl-C during its preload printed its traceback, or broke a
+    producer's imports mid-way and ended the demo with a misleading error and exit 1."""
+    script = tmp_path / "spy.py"
+    script.write_text(_FORKSERVER_SPY)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[(True, True)]"

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .._runs import new_run_name
 from .._validation import require_writable
+from ..engine.lifecycle import start_forkserver
 from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
 from .config import DemoConfig
@@ -57,6 +58,7 @@ def start_with_progress(engine: Any, total: int, timeout_s: float) -> float:
             errors.append(error)
 
     began = time.monotonic()
+    start_forkserver()  # here, on the main thread: it ignores a Ctrl-C during its preload only from here
     thread = threading.Thread(target=start, name="simstream-demo-start", daemon=True)
     thread.start()
     with tqdm(total=total, desc="first generation", unit="ep", dynamic_ncols=True) as bar:

@@ -20,6 +20,7 @@ from ..errors import OnlineDataWorkerError, add_note
 from ..ray.backend import RAY_LEAVE_S
 from ..workers.channel import describe_exit
 from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child, sigint_handled
+from .shared import EngineShared
 from .state import OnlineDataEngineState as State
 
 __all__ = ["EngineLifecycle"]
@@ -125,9 +126,7 @@ class EngineLifecycle:
     def _launch_workers(self) -> None:
         shared, cfg = self._shared, self.cfg
         ctx = shared.context()
-        if _forkserver_not_started():
-            ctx.set_forkserver_preload(["simstream.engine.forkserver_preload"])
-            _start_forkserver_ignoring_ctrl_c()
+        start_forkserver()
         if cfg.backend is not None:  # Ray actors, fed into the buffer by one ingest process
             # joining from now: the ingest's imports and ray.init cannot be interrupted (it clears it)
             self._ray_joining = ctx.Value("d", time.monotonic(), lock=False)
@@ -431,6 +430,20 @@ def _ray_ingest_spec(shared, cfg, num_envs: int, joining) -> WorkerSpec:
         # a local cluster its ray.init starts (GCS, raylet, agents) would outlive an ingest SIGKILLed
         own_process_group=True,
     )
+
+
+def start_forkserver() -> None:
+    """Start the forkserver every engine's workers come from, unless it runs: with its preload, and with
+    Ctrl-C ignored for the seconds of that preload when called on the main thread.
+
+    ``start()`` calls it itself. A caller that runs ``start()`` on another thread (to show progress while
+    the first generation fills) calls it first on the main thread: from another thread the handler cannot
+    be changed, and a terminal's Ctrl-C during the preload printed the forkserver's traceback, or broke a
+    producer's imports mid-way (a misleading producer error, exit 1, instead of the interrupt).
+    """
+    if _forkserver_not_started():
+        EngineShared.context().set_forkserver_preload(["simstream.engine.forkserver_preload"])
+        _start_forkserver_ignoring_ctrl_c()
 
 
 def _start_forkserver_ignoring_ctrl_c() -> None:
