@@ -214,14 +214,15 @@ def print_header(title: str, command: Iterable[str], settings: str) -> None:
 
 
 def require_positive(args: object, *names: str) -> None:
-    """Refuse flags that must be positive (each number of a list, and a list must hold one) before anything
-    runs: a ``ValueError`` naming the flag, as the ``simstream`` commands do."""
+    """Refuse flags that must be positive and finite (each number of a list, and a list must hold one)
+    before anything runs: a ``ValueError`` naming the flag, as the ``simstream`` commands do (``inf``
+    seconds ran forever)."""
     for name in names:
         value = getattr(args, name)
         if value is None:
             continue
         values = value if isinstance(value, tuple) else (value,)
-        if not values or any(isinstance(v, bool) or not v > 0 for v in values):
+        if not values or any(isinstance(v, bool) or not 0 < v < math.inf for v in values):
             flag = "--" + name.replace("_", "-")
-            kind = "one or more numbers" if isinstance(value, tuple) else "a number"
+            kind = "one or more finite numbers" if isinstance(value, tuple) else "a finite number"
             raise ValueError(f"{flag} must be {kind} > 0, got {value!r}")

@@ -40,6 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -58,7 +59,7 @@ class Args:
     rounds: int = 8
     """Pairs of phases (without, with) per measurement; tables print the median."""
     workers: int = 2
-    video_codec: str = "h264"
+    video_codec: Literal["h264", "av1"] = "h264"
     """Codec of the camera video (``h264``: the record command's default; ``av1``: LeRobot's)."""
     sampling_seconds: float = 1.0
     """Seconds per phase of the sampling section (with the trainer pinned, short phases vary little)."""

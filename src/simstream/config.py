@@ -31,6 +31,11 @@ MAX_LANGUAGE_BYTES = 2**31 - 1
 """Largest ``language_buffer_bytes``: every process that resolves text parses the registry in full."""
 MAX_EVENT_RECORDS = 2**31 - 1
 """Largest ``lifecycle_event_capacity``."""
+MAX_LOCAL_WORKERS = 1024
+"""Most producer processes on this machine (local backend): each is a process with its own simulator,
+file descriptors in the owner, and rows of its own; 100,000 passed every check and went on to fork."""
+MAX_RAY_WORKERS = 4096
+"""Most producers as Ray actors, across a cluster."""
 
 METADATA_KEYS: dict[str, torch.dtype] = {
     "valid": torch.bool,
@@ -115,7 +120,8 @@ class OnlineDataEngineCfg:
     that may hold one, in ``(0, 1e6]``; it checks the producers before every retry and gives up at once
     when no rewrite can help. Raise it for sources whose rollout of one window takes longer."""
     num_workers: int = 1
-    """Producer processes; each owns a disjoint range of rows and writes in parallel."""
+    """Producer processes, in ``[1, 1024]`` (Ray actors: ``[1, 4096]``); each owns a disjoint range of rows
+    and writes in parallel."""
     seed: int = 0
     """Base seed; worker ``i`` builds its source with a seed derived from ``(seed, i)``."""
     check_unwritten_frames: bool = True
@@ -183,7 +189,8 @@ class OnlineDataEngineCfg:
                     f"{name} must be at most {MAX_TIMEOUT_S:.0e} seconds (about 11 days), got {value}."
                 )
         require_int("OnlineDataEngineCfg", "refill_threshold", self.refill_threshold, 0)
-        require_int("OnlineDataEngineCfg", "num_workers", self.num_workers, 1)
+        most = MAX_LOCAL_WORKERS if self.backend is None else MAX_RAY_WORKERS
+        require_int("OnlineDataEngineCfg", "num_workers", self.num_workers, 1, most)
         require_int("OnlineDataEngineCfg", "seed", self.seed, 0, INT64_MAX)
         for name in ("include_provenance", "check_unwritten_frames"):
             if type(getattr(self, name)) is not bool:

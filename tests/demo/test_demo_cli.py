@@ -213,7 +213,7 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
     ("options", "message"),
     [
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
-        (["--num-workers", "0"], "OnlineDataEngineCfg.num_workers must be an int >= 1, got 0"),
+        (["--num-workers", "0"], "OnlineDataEngineCfg.num_workers must be an int in [1, 1024], got 0"),
         (["--seconds", "nan"], "StreamArgs.seconds must be a number in (0, 1e6], got nan"),
         (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),
         (
@@ -221,6 +221,14 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
             "StreamArgs.chunk_size must be <= the source's max_episode_steps 100, got 500",
         ),
         (["--task", "nosuch"], "nosuch"),
+        (
+            ["--num-workers", "100000"],
+            "OnlineDataEngineCfg.num_workers must be an int in [1, 1024], got 100000",
+        ),
+        (  # refused before the producers start, not by the first sample_batch
+            ["--batch-size", "100000000"],
+            "StreamArgs.batch_size=100000000 with chunk_size=16 needs",
+        ),
         (
             ["--ray-address", "auto"],
             "StreamArgs.ray_address must be None unless backend is 'ray', got 'auto'",
@@ -405,6 +413,10 @@ def test_a_producer_failure_still_closes_the_recorder(tmp_path, monkeypatch):
     ("args", "message"),
     [
         (["inspect", "--out", "strip"], "InspectArgs.out must be a .png or .jpg file, got 'strip'"),
+        (
+            ["inspect", "--image-size", "4096"],
+            "InspectArgs.image_size must be an int in [16, 2048], got 4096",
+        ),
         (
             ["inspect", "--out", "/proc/simstream/strip.png"],
             "InspectArgs.out cannot be written: '/proc/simstream/strip.png' "

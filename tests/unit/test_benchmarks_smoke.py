@@ -138,10 +138,12 @@ def test_bench_command_lists_the_benchmarks(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["production", "--workers", "0"], "--workers must be one or more numbers > 0, got (0,)"),
-        (["production", "--quick", "--workers"], "--workers must be one or more numbers > 0, got ()"),
-        (["sampling", "--seconds", "-1"], "--seconds must be a number > 0, got -1.0"),
-        (["recording", "--rounds", "0"], "--rounds must be a number > 0, got 0"),
+        (["production", "--workers", "0"], "--workers must be one or more finite numbers > 0, got (0,)"),
+        (["production", "--quick", "--workers"], "--workers must be one or more finite numbers > 0, got ()"),
+        (["sampling", "--seconds", "-1"], "--seconds must be a finite number > 0, got -1.0"),
+        (["sampling", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),  # ran forever
+        (["recording", "--rounds", "0"], "--rounds must be a finite number > 0, got 0"),
+        (["recording", "--video-codec", "vp9"], "--video-codec"),  # a traceback after 10 s of setup
         (
             ["recording", "--writer-niceness", "0", "20"],
             "--writer-niceness takes values in [0, 19], got (0, 20)",

@@ -72,7 +72,11 @@ def _cfg(**overrides) -> OnlineDataEngineCfg:
             r"got 2147483648",
         ),
         ({"check_unwritten_frames": 1}, "OnlineDataEngineCfg.check_unwritten_frames must be a bool, got 1"),
-        ({"num_workers": 0}, r"OnlineDataEngineCfg.num_workers must be an int >= 1, got 0"),
+        ({"num_workers": 0}, r"OnlineDataEngineCfg.num_workers must be an int in \[1, 1024\], got 0"),
+        (  # passed every check and went on to fork 100,000 producers
+            {"num_workers": 100_000, "buffer_size": 200_000},
+            r"OnlineDataEngineCfg.num_workers must be an int in \[1, 1024\], got 100000",
+        ),
         ({"refill_threshold": -1}, r"OnlineDataEngineCfg.refill_threshold must be an int >= 0, got -1"),
         ({"buffer_device": "cuda"}, "OnlineDataEngineCfg.buffer_device must be 'cpu'"),
         ({"buffer_device": "gpu0"}, "OnlineDataEngineCfg.buffer_device must be 'cpu'"),

@@ -41,8 +41,9 @@ class InspectArgs:
     """PNG of the frame strip. Default: ``runs/inspect-<task>.png``."""
 
     def __post_init__(self) -> None:
-        for name, low in (("episodes", 1), ("show", 1), ("frames", 1), ("image_size", 16)):
+        for name, low in (("episodes", 1), ("show", 1), ("frames", 1)):
             require_int("InspectArgs", name, getattr(self, name), low)
+        require_int("InspectArgs", "image_size", self.image_size, 16, 2048)  # as simstream eval
         require_int("InspectArgs", "seed", self.seed, 0)
         from simstream.tasks import CAMERAS, get_task
 

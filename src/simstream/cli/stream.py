@@ -47,6 +47,24 @@ class StreamArgs:
         require_int("StreamArgs", "chunk_size", self.chunk_size, 1)
 
 
+def _check_batch_fits(args: StreamArgs, cfg) -> None:
+    """One batch must fit this machine's memory: ``sample_batch`` refuses it too, but only once the
+    producers have started and filled the first generation."""
+    from simstream.buffer.storage import TrajectoryStorage
+    from simstream.sampling.gather import physical_memory
+
+    layout = cfg.validate()
+    frames = layout.max_episode_steps + 1  # shared_bytes counts the padding frame too
+    frame = TrajectoryStorage.shared_bytes(layout, 1, cfg.include_provenance) // frames
+    per_item, memory = args.chunk_size * frame, physical_memory()
+    if args.batch_size * per_item > memory:
+        raise ValueError(
+            f"StreamArgs.batch_size={args.batch_size} with chunk_size={args.chunk_size} needs "
+            f"{args.batch_size * per_item / 2**30:.1f} GiB for one batch, more than this machine's "
+            f"{memory / 2**30:.1f} GiB of memory: it can be at most {memory // per_item} here"
+        )
+
+
 def run_stream(args: StreamArgs) -> dict[str, float]:
     """Run the example; returns the measured rates."""
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
@@ -74,6 +92,7 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         refill_threshold=args.refill_threshold,
         backend=backend,
     )
+    _check_batch_fits(args, cfg)
     torch.set_num_threads(1)
     engine = OnlineDataEngine(cfg)  # checks the config: a bad option is refused before anything is said
     where = " as Ray actors" if backend is not None else ""
