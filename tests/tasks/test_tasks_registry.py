@@ -121,7 +121,9 @@ def test_a_mujoco_that_cannot_load_its_gl_backend_is_named_in_the_error(backend)
     if backend == "osmesa" and ctypes.util.find_library("OSMesa"):
         pytest.skip("OSMesa is installed here: mujoco loads with it")
     code = "from simstream.tasks import ScriptedExpert"
-    env = {**os.environ, "MUJOCO_GL": backend}
+    # mujoco picks PyOpenGL's platform from MUJOCO_GL unless PYOPENGL_PLATFORM is set (a test or a renderer
+    # of this process may have set it)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYOPENGL_PLATFORM"}, "MUJOCO_GL": backend}
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
