@@ -76,8 +76,9 @@ class Args:
         require_positive(
             self, "seconds", "rounds", "workers", "sampling_seconds", "sampling_rounds", "flush_every"
         )
-        if not self.writer_niceness or any(not 0 <= n <= 19 for n in self.writer_niceness):
-            raise ValueError(f"--writer-niceness takes values in [0, 19], got {self.writer_niceness}")
+        niceness = self.writer_niceness
+        if not niceness or any(not 0 <= n <= 19 for n in niceness) or len(set(niceness)) < len(niceness):
+            raise ValueError(f"--writer-niceness takes distinct values in [0, 19], got {niceness}")
 
 
 def _engine(source, workers: int, buffer_size: int, manual: bool):
@@ -249,8 +250,8 @@ def replay(root: Path, args: Args) -> float:
 
 
 def _pair_ratios(plain: list[dict], recorded: list[dict], key: str) -> list[float]:
-    """with / without per pair of adjacent phases: they share the machine's state, so their ratio is
-    steadier than the ratio of medians taken over the whole run."""
+    """with / without per round (its phases are adjacent: they share the machine's state, so their ratio
+    is steadier than the ratio of medians taken over the whole run)."""
     return [
         with_[key] / without[key] if without[key] else math.nan for without, with_ in zip(plain, recorded)
     ]

@@ -191,7 +191,7 @@ def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_cop
         LeRobotSpec(fixture_copy)
 
 
-def test_values_a_declared_dtype_holds_exactly_are_read_in_it(fixture_copy):
+def test_float32_values_of_a_float64_feature_are_accepted_and_read_exactly(fixture_copy):
     info_path = fixture_copy / "meta" / "info.json"
     info = json.loads(info_path.read_text())
     info["features"]["observation.state"]["dtype"] = "float64"  # the file holds float32
@@ -626,3 +626,16 @@ def test_the_demo_refuses_a_dataset_whose_camera_has_another_size_than_its_image
         demo_source(cfg, PatternSpec(image_size=32))
     replay = demo_source(SimpleNamespace(dataset=tmp_path / "ds", image_size=16), PatternSpec(image_size=16))
     assert replay.fields() == PatternSpec(image_size=16).fields()
+
+
+def test_an_episodes_column_of_floats_is_refused_as_not_integers(fixture_copy):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    position = table.schema.get_field_index("length")
+    lengths = pa.array([float(n) for n in table.column("length").to_pylist()], pa.float64())
+    pq.write_table(table.set_column(position, "length", lengths), path)
+    with pytest.raises(LeRobotFormatError, match=rf"^{path}: column 'length' holds double, not integers$"):
+        LeRobotSpec(fixture_copy)

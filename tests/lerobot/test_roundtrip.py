@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,7 +68,7 @@ def lowdim(tmp_path_factory):
     return root, recorder
 
 
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs os.getpriority (Linux)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's nice value is its own on Linux")
 @pytest.mark.parametrize("steps", [0, 7])
 def test_the_writer_thread_alone_runs_at_a_lower_priority(tmp_path, steps):
     engine = OnlineDataEngine(
@@ -82,6 +85,48 @@ def test_the_writer_thread_alone_runs_at_a_lower_priority(tmp_path, steps):
         niceness = {name: os.getpriority(os.PRIO_PROCESS, tid) for name, tid in threads.items()}
     assert niceness == {"lerobot-writer": min(19, own + steps), "lerobot-recorder": own}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+_NICENESS_OF_THREADS = """
+import os, sys, threading
+from pathlib import Path
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.lerobot import LeRobotRecorder
+from tests.lerobot.sources import PatternSpec
+
+if __name__ == "__main__":
+    cfg = OnlineDataEngineCfg(source=PatternSpec(image_size=16), buffer_size=4, num_workers=1,
+                              refill_policy="manual")
+    engine = OnlineDataEngine(cfg)
+    recorder = LeRobotRecorder(engine, Path(sys.argv[1]), flush_every=1, writer_niceness=7)
+    with recorder, engine:
+        while not recorder.wait_flushed(2, timeout_s=0.5):
+            recorder.check()
+            engine.check_health()
+            engine.request_refill()
+        writer = recorder._writer_thread.native_id
+        others = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")
+                  if int(tid) != writer}
+        print(os.getpriority(os.PRIO_PROCESS, writer), sorted(set(others.values())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's nice value is its own on Linux")
+def test_no_other_thread_of_the_process_inherits_the_writers_priority(tmp_path):
+    """pyarrow, imported first by the writer thread after its priority dropped, started its allocator's
+    background thread (which serves the whole process) at nice 10."""
+    script = tmp_path / "niceness.py"
+    script.write_text(_NICENESS_OF_THREADS)
+    root = Path(__file__).resolve().parents[2]  # the tests package is importable from there
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ds")], capture_output=True, text=True, timeout=120,
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        done.stdout.split("\n")[-2]
+        == f"{min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)} [{os.getpriority(os.PRIO_PROCESS, 0)}]"
+    )
 
 
 def test_recorder_writes_every_published_episode_once(lowdim):

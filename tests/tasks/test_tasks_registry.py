@@ -134,3 +134,13 @@ def test_a_mujoco_that_cannot_load_its_gl_backend_is_named_in_the_error(backend)
         f"{backend!r}: "
     ), last
     assert "set MUJOCO_GL=osmesa (apt libosmesa6)" in last
+
+
+def test_a_missing_mujoco_is_named_as_missing_not_as_a_gl_problem():
+    code = "import sys; sys.modules['mujoco'] = None; from simstream.tasks import TaskEnv"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == "ImportError: simstream.tasks.TaskEnv needs MuJoCo, which is not installed: pip install mujoco"
+    )

@@ -146,9 +146,12 @@ def test_bench_command_lists_the_benchmarks(capsys):
         (["recording", "--video-codec", "vp9"], "--video-codec"),  # a traceback after 10 s of setup
         (
             ["recording", "--writer-niceness", "0", "20"],
-            "--writer-niceness takes values in [0, 19], got (0, 20)",
+            "--writer-niceness takes distinct values in [0, 19], got (0, 20)",
         ),
-        (["recording", "--quick", "--writer-niceness"], "--writer-niceness takes values in [0, 19], got ()"),
+        (
+            ["recording", "--quick", "--writer-niceness"],
+            "--writer-niceness takes distinct values in [0, 19], got ()",
+        ),
     ],
 )
 def test_bench_refuses_flags_out_of_range_before_running(capsys, argv, message):

@@ -208,7 +208,8 @@ def _check_episode_columns(path: Path, table: Any, required: list[str]) -> None:
             name.endswith("/from_timestamp") and pa.types.is_floating(column.type)
         )
         if not numeric:
-            raise LeRobotFormatError(f"{path}: column {name!r} holds {column.type}, not numbers")
+            kind = "numbers" if name.endswith("/from_timestamp") else "integers"
+            raise LeRobotFormatError(f"{path}: column {name!r} holds {column.type}, not {kind}")
         if column.null_count:
             raise LeRobotFormatError(
                 f"{path}: column {name!r} is empty (null) for {column.null_count} episode(s)"
@@ -244,7 +245,7 @@ def _wanted_columns(path: Path, schema: Any, features: list[Feature]) -> list[st
         if f.visual:
             continue
         stored = _leaf_type(schema.field(f.key).type)
-        try:  # a lossless cast (float32 values of a float64 feature) is fine, any other is not
+        try:  # a cast NumPy calls safe (float32 values of a float64 feature) is fine, any other is not
             fits = np.can_cast(np.dtype(stored.to_pandas_dtype()), np.dtype(f.dtype), "safe")
         except (NotImplementedError, TypeError):  # strings, structs: no NumPy dtype at all
             fits = False
@@ -609,8 +610,8 @@ def scalar_columns(meta: DatasetMeta) -> set[str]:
             raise LeRobotFormatError(
                 f"{path}: not a readable parquet file (truncated or damaged?): {error}"
             ) from error
-        import pyarrow as pa
 
-        scalar = {name for name in schema.names if not pa.types.is_list(schema.field(name).type)
-                  and not pa.types.is_fixed_size_list(schema.field(name).type)}  # fmt: skip
+        scalar = {
+            name for name in schema.names if _leaf_type(schema.field(name).type) == schema.field(name).type
+        }
     return scalar

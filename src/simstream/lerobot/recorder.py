@@ -306,6 +306,11 @@ class LeRobotRecorder:
     def _write(self) -> None:
         """The writer thread: write each group as closed files, in order, until the queue ends."""
         try:
+            # imported before the priority drops: pyarrow's import starts its allocator's background
+            # thread, which serves the whole process and would inherit this thread's nice value
+            import av  # noqa: F401
+            import pyarrow  # noqa: F401
+
             _lower_this_thread_priority(self.writer_niceness)
             while True:
                 group = self._groups.get()

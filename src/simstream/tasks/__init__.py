@@ -14,6 +14,7 @@ Examples:
 from __future__ import annotations
 
 import os
+import traceback
 from typing import Any
 
 from . import pick_place, stack  # noqa: F401  (registers the built-in tasks)
@@ -71,13 +72,23 @@ def __getattr__(name: str) -> Any:
         try:
             module = import_module(f"{__name__}.{_LAZY[name]}")
         except Exception as error:
-            # an AttributeError escaping here (mujoco's GL setup raises one when its backend cannot load)
-            # would read as "cannot import name" to a `from simstream.tasks import ...`, hiding the cause
-            backend = os.environ.get("MUJOCO_GL")
-            raise ImportError(
-                f"simstream.tasks.{name} needs MuJoCo, whose import failed with MUJOCO_GL={backend!r}: "
-                f"{type(error).__name__}: {error}. Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt "
-                "libosmesa6) before mujoco is first imported"
-            ) from error
+            # any exception but ImportError escaping here (mujoco's GL setup raises an AttributeError when
+            # its backend cannot load) reads as "cannot import name" to `from simstream.tasks import ...`
+            raise ImportError(_lazy_import_failure(name, error)) from error
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _lazy_import_failure(name: str, error: Exception) -> str:
+    """What to say when the module of ``name`` failed to import: MuJoCo missing, its GL backend, or else."""
+    if isinstance(error, ModuleNotFoundError) and error.name == "mujoco":
+        return f"simstream.tasks.{name} needs MuJoCo, which is not installed: pip install mujoco"
+    frames = traceback.extract_tb(error.__traceback__)
+    if any(f"{os.sep}mujoco{os.sep}" in frame.filename for frame in frames):
+        backend = os.environ.get("MUJOCO_GL")
+        return (
+            f"simstream.tasks.{name} needs MuJoCo, whose import failed with MUJOCO_GL={backend!r}: "
+            f"{type(error).__name__}: {error}. Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt "
+            "libosmesa6) before mujoco is first imported"
+        )
+    return f"importing simstream.tasks.{name} failed: {type(error).__name__}: {error}"
