@@ -176,13 +176,18 @@ def test_a_later_data_file_without_a_declared_column_is_refused_before_anything_
         LeRobotSpec(root)
 
 
+def _edit_feature(root: Path, key: str, **changes) -> None:
+    """Change what ``meta/info.json`` declares of one feature."""
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"][key].update(changes)
+    info_path.write_text(json.dumps(info))
+
+
 @pytest.mark.parametrize("declared", ["int64", "bool", "uint8", "float16"])
 def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_copy, declared):
     """They were cast without a word: float data declared int64 came back as 1001, 1001, 1001, ..."""
-    info_path = fixture_copy / "meta" / "info.json"
-    info = json.loads(info_path.read_text())
-    info["features"]["observation.state"]["dtype"] = declared
-    info_path.write_text(json.dumps(info))
+    _edit_feature(fixture_copy, "observation.state", dtype=declared)
     path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
     with pytest.raises(
         LeRobotFormatError,
@@ -192,10 +197,7 @@ def test_values_of_another_dtype_than_info_json_declares_are_refused(fixture_cop
 
 
 def test_float32_values_of_a_float64_feature_are_accepted_and_read_exactly(fixture_copy):
-    info_path = fixture_copy / "meta" / "info.json"
-    info = json.loads(info_path.read_text())
-    info["features"]["observation.state"]["dtype"] = "float64"  # the file holds float32
-    info_path.write_text(json.dumps(info))
+    _edit_feature(fixture_copy, "observation.state", dtype="float64")  # the file holds float32
     spec = LeRobotSpec(fixture_copy, fields_subset=("obs/state",))
     assert spec.fields()["obs/state"].dtype == torch.float64
     source = spec.build(0, 0)
@@ -213,10 +215,7 @@ def test_float32_values_of_a_float64_feature_are_accepted_and_read_exactly(fixtu
 
 def test_png_images_of_another_size_than_info_json_declares_are_refused(fixture_copy):
     """[3, 16, 64] has as many values as the 32x32 images: they were read scrambled."""
-    info_path = fixture_copy / "meta" / "info.json"
-    info = json.loads(info_path.read_text())
-    info["features"]["observation.images.top"]["shape"] = [3, 16, 64]
-    info_path.write_text(json.dumps(info))
+    _edit_feature(fixture_copy, "observation.images.top", shape=[3, 16, 64])
     path = fixture_copy / "data" / "chunk-000" / "file-000.parquet"
     with pytest.raises(
         LeRobotFormatError,
