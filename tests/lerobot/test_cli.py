@@ -199,3 +199,19 @@ def test_demo_refuses_datasets_that_do_not_fit_before_making_a_run_folder(tmp_pa
     runs_file.write_text("not a folder")
     assert simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs_file)]) == 2
     assert f"DemoConfig.runs_dir must be a folder, got the file {str(runs_file)!r}" in capsys.readouterr().err
+
+
+def test_a_failure_while_recording_is_a_failure_not_a_bad_option(tmp_path, monkeypatch, capsys):
+    """Every ValueError of `simstream record` exited 2 as "a bad option", printed without its type, even
+    one raised by the writer (or a producer) minutes into the recording."""
+    from simstream.lerobot import writer
+
+    def broken(self) -> int:
+        raise ValueError("the disk said no")
+
+    monkeypatch.setattr(writer.DatasetWriter, "flush", broken)
+    argv = ["record", "--out", str(tmp_path / "ds"), "--episodes", "2", "--num-workers", "1"]
+    assert simstream([*argv, "--buffer-size", "2"]) == 1
+    assert "simstream record: ValueError: the disk said no" in capsys.readouterr().err
+    assert simstream(["record", "--out", str(tmp_path / "ds2"), "--episodes", "0"]) == 2  # still a bad option
+    assert "RecordArgs.episodes must be" in capsys.readouterr().err

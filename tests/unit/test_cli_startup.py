@@ -117,3 +117,21 @@ def test_a_sigterm_inside_nested_deferred_blocks_is_held_then_raised(sigint):
         assert signal.getsignal(signal.SIGINT) is handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_value_error_is_a_bad_option_only_until_the_options_are_checked(capsys):
+    from simstream.cli._report import exit_code, options_checked
+
+    def bad_option() -> None:
+        raise ValueError("Args.n must be an int >= 1, got 0")
+
+    def failure_while_running() -> None:
+        options_checked()
+        raise ValueError("a producer's own error")
+
+    assert exit_code("simstream x", bad_option) == 2
+    assert capsys.readouterr().err == "simstream x: Args.n must be an int >= 1, got 0\n"
+    assert exit_code("simstream x", failure_while_running) == 1
+    assert capsys.readouterr().err == "\nsimstream x: ValueError: a producer's own error\n"
+    assert exit_code("simstream x", bad_option) == 2  # the mark belonged to the finished command
+    options_checked()  # outside a command: nothing to mark, no error

@@ -9,17 +9,31 @@ traceback.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_TERMINATED", "exit_code", "sigterm_as_ctrl_c"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_TERMINATED", "exit_code", "options_checked", "sigterm_as_ctrl_c"]
 
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (128 + SIGINT)."""
 EXIT_TERMINATED = 143
 """Exit code after SIGTERM (128 + SIGTERM), which every command handles as a Ctrl-C."""
+
+
+_checked: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("options_checked", default=None)
+"""The running command's "every option is checked" mark (set by :func:`options_checked`)."""
+
+
+def options_checked() -> None:
+    """Mark that the running command has checked its options and starts its work: from here on a
+    ``ValueError`` (a producer's, a source's, the writer's) is a failure (exit 1, with its type), not a
+    bad option (exit 2). Outside a command (a library call of ``run_*``) it does nothing."""
+    mark = _checked.get()
+    if mark is not None:
+        mark[0] = True
 
 
 def exit_code(
@@ -35,10 +49,13 @@ def exit_code(
         prog: The command as the user typed it, e.g. ``"simstream stream"``; every message starts with it.
         job: Parses the flags and runs the command.
         bad_options: Errors reported as a bad option (exit 2): a ``ValueError`` by default; ``()`` once
-            the options were parsed, when such errors are failures like any other (exit 1).
+            the options were parsed, when such errors are failures like any other (exit 1). Once ``job``
+            calls :func:`options_checked` they are failures too.
         interrupted: What to say after Ctrl-C.
     """
     terminated: list[int] = []
+    checked = [False]
+    token = _checked.set(checked)
     try:
         with sigterm_as_ctrl_c(terminated):
             return job() or 0
@@ -52,11 +69,13 @@ def exit_code(
         print(f"\n{prog}: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as error:  # the command reports; the library raises
-        if isinstance(error, bad_options):
+        if isinstance(error, bad_options) and not checked[0]:
             print(f"{prog}: {error}", file=sys.stderr)
             return 2
         print(f"\n{prog}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    finally:
+        _checked.reset(token)
 
 
 @contextlib.contextmanager

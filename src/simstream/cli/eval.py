@@ -16,7 +16,7 @@ from typing import Annotated
 import tyro
 
 from .._validation import require, require_int, require_number, require_writable
-from ._report import exit_code
+from ._report import exit_code, options_checked
 
 __all__ = ["EvalArgs", "main", "run_eval"]
 
@@ -145,6 +145,7 @@ def run_eval(args: EvalArgs) -> dict:
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)
     if args.video is not None and record < args.video_episodes:
         print(f"the video shows {record} episode(s): --episodes is {args.episodes}", flush=True)
+    options_checked()  # a ValueError from here on is the evaluation's, not a bad option
     began = time.monotonic()
     with tqdm(total=len(seeds), desc=f"evaluating {checkpoint.task}", unit="ep", dynamic_ncols=True) as bar:
         result = evaluate_policy(

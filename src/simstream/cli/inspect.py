@@ -14,7 +14,7 @@ from pathlib import Path
 import tyro
 
 from .._validation import require_int, require_writable
-from ._report import exit_code
+from ._report import exit_code, options_checked
 
 __all__ = ["InspectArgs", "main", "run_inspect"]
 
@@ -121,6 +121,7 @@ def run_inspect(args: InspectArgs) -> dict:
     source = spec.build(worker_index=0, seed=args.seed)
     rows = _allocate_rows(spec)
     shown, successes, lengths = [], 0, []
+    options_checked()  # a ValueError from here on is the simulation's, not a bad option
     began = time.monotonic()
     try:
         for _ in tqdm(range(args.episodes), desc=f"recording {args.task}", unit="ep", dynamic_ncols=True):

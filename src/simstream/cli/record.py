@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._validation import require_int, require_writable
-from ._report import exit_code
+from ._report import exit_code, options_checked
 
 __all__ = ["PROGRESS_EVERY_S", "RecordArgs", "main", "refill_until", "run_record"]
 
@@ -157,6 +157,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         bar.set_postfix_str(f"{rate:.1f} eps/s, {megabytes:.1f} MB written", refresh=True)
 
     interrupted = False
+    options_checked()  # a ValueError from here on is a producer's or the writer's, not a bad option
     try:
         recorder.start()
         engine.start()

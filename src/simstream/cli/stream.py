@@ -10,7 +10,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from ._report import exit_code
+from ._report import exit_code, options_checked
 
 __all__ = ["StreamArgs", "main", "run_stream"]
 
@@ -95,6 +95,7 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
     _check_batch_fits(args, cfg)
     torch.set_num_threads(1)
     engine = OnlineDataEngine(cfg)  # checks the config: a bad option is refused before anything is said
+    options_checked()  # a ValueError from here on is a producer's or a source's, not a bad option
     where = " as Ray actors" if backend is not None else ""
     print(f"starting {args.num_workers} producer(s){where} on {type(source).__name__} ...", flush=True)
     began = time.monotonic()
