@@ -7,6 +7,7 @@ printed by one run compare like with like.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -14,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -211,6 +213,15 @@ def print_header(title: str, command: Iterable[str], settings: str) -> None:
     print(f"command: `{' '.join(command)}`  ")
     print(f"machine: {describe_machine()}  ")
     print(f"settings: {settings}", flush=True)
+
+
+def quick_preset(args: Any, **preset: Any) -> Any:
+    """``args`` with ``--quick``'s ``preset`` applied to the fields that still hold their defaults: a flag
+    given beside ``--quick`` wins, as in ``simstream demo --quick`` (they were overridden silently)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    return dataclasses.replace(
+        args, **{name: value for name, value in preset.items() if getattr(args, name) == defaults[name]}
+    )
 
 
 def require_positive(args: object, *names: str) -> None:

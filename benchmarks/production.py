@@ -20,13 +20,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import multiprocessing as mp
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import tyro
 from tensordict import TensorDict
 
-from _timing import Rates, Table, check, print_header, ratio, require_positive, set_single_thread
+from _timing import (
+    Rates,
+    Table,
+    check,
+    print_header,
+    quick_preset,
+    ratio,
+    require_positive,
+    set_single_thread,
+)
 from _workload import ContinuousPublication, Workload, make_engine, synthetic_spec
 
 
@@ -66,7 +75,9 @@ class Args:
     def effective(self) -> Args:
         if not self.quick:
             return self
-        return replace(self, max_steps=30, rows_per_worker=8, rounds=1, seconds=0.15, work_us_per_step=20.0)
+        return quick_preset(
+            self, max_steps=30, rows_per_worker=8, rounds=1, seconds=0.15, work_us_per_step=20.0
+        )
 
 
 def _bare_worker(spec_args: tuple, worker: int, seconds: float, barrier, results) -> None:

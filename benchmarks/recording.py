@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 import tyro
 
-from _timing import pin_process, process_cpu_seconds, require_positive
+from _timing import pin_process, process_cpu_seconds, quick_preset, require_positive
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def run(args: Args) -> int:
 
     torch.set_num_threads(1)
     if args.quick:
-        args = dataclasses.replace(args, seconds=1.0, rounds=1, sampling_seconds=1.0, sampling_rounds=1)
+        args = quick_preset(args, seconds=1.0, rounds=1, sampling_seconds=1.0, sampling_rounds=1)
     scratch = Path(tempfile.mkdtemp(prefix="simstream-recording-"))
     video = f"64x64 video ({args.video_codec})"
     sources = {"low-dim": make_source("pick_place"), video: make_source("pick_place", image_size=64)}

@@ -38,6 +38,7 @@ from _timing import (
     percentile,
     print_header,
     process_cpu_seconds,
+    quick_preset,
     ratio,
     require_positive,
 )
@@ -107,7 +108,7 @@ class Args:
     def effective(self) -> Args:
         if not self.quick:
             return self
-        return replace(
+        return quick_preset(
             self,
             buffer_size=32,
             max_steps=40,

@@ -252,3 +252,23 @@ def test_latency_percentiles_are_nearest_rank():
     assert timing.percentile(hundred, 100) == 100.0
     assert timing.percentile([float(v) for v in range(1, 11)], 50) == 5.0
     assert timing.percentile([7.0], 99) == 7.0
+
+
+def test_flags_given_beside_quick_win_over_its_preset():
+    """--quick replaced every field of its preset: --seconds 2 --rounds 4 beside it were dropped silently."""
+    from dataclasses import dataclass
+
+    spec = importlib.util.spec_from_file_location("_bench_timing", BENCHMARKS / "_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = timing
+    spec.loader.exec_module(timing)
+
+    @dataclass(frozen=True)
+    class Args:
+        seconds: float = 5.0
+        rounds: int = 8
+        buffer_size: int = 512
+
+    quick = timing.quick_preset(Args(seconds=2.0, rounds=4), seconds=0.03, rounds=1, buffer_size=32)
+    assert quick == Args(seconds=2.0, rounds=4, buffer_size=32)
+    assert timing.quick_preset(Args(), seconds=0.03, rounds=1) == Args(seconds=0.03, rounds=1)
