@@ -224,6 +224,17 @@ def quick_preset(args: Any, **preset: Any) -> Any:
     )
 
 
+def require_gym_env(env: str) -> None:
+    """Refuse an ``--env`` gymnasium does not know before anything runs (it failed with gymnasium's
+    traceback once the candidates were starting)."""
+    import gymnasium
+
+    try:
+        gymnasium.spec(env)
+    except Exception as error:
+        raise ValueError(f"--env must be a registered gymnasium environment, got {env!r}: {error}") from None
+
+
 def require_positive(args: object, *names: str) -> None:
     """Refuse flags that must be positive and finite (each number of a list, and a list must hold one)
     before anything runs: a ``ValueError`` naming the flag, as the ``simstream`` commands do (``inf``

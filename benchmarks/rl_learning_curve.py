@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch
 import tyro
 
-from _timing import Table, print_header, require_positive
+from _timing import Table, print_header, require_gym_env, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.config import Mode
 
@@ -39,7 +39,15 @@ class Args:
     """A smoke run: 30 s per mode."""
 
     def __post_init__(self) -> None:
+        from simstream._validation import require_writable
+
         require_positive(self, "seconds")
+        if not self.modes:
+            raise ValueError("--modes must name one or more of async, sync, got ()")
+        require_gym_env(self.env)
+        for mode in self.modes:  # the runner's own checks (seed, ...), before the first run
+            APPOConfig(env_id=self.env, seed=self.seed, mode=mode)
+        require_writable("Args", "out", self.out, folder=True)
 
 
 def _run(args: Args, mode: str) -> tuple[list[dict[str, float]], dict]:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import tyro
 
-from _timing import Table, print_header, ratio, require_positive
+from _timing import Table, print_header, ratio, require_gym_env, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.collector import describe_env
 from simstream.rl.learner import APPOLearner
@@ -66,6 +66,7 @@ class Args:
             "iterations",
             "rounds",
         )
+        require_gym_env(self.env)
 
 
 def _config(args: Args, mode: str = "async") -> APPOConfig:

@@ -143,7 +143,17 @@ def test_bench_command_lists_the_benchmarks(capsys):
         (["sampling", "--seconds", "-1"], "--seconds must be a finite number > 0, got -1.0"),
         (["sampling", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),  # ran forever
         (["recording", "--rounds", "0"], "--rounds must be a finite number > 0, got 0"),
-        (["recording", "--video-codec", "vp9"], "--video-codec"),  # a traceback after 10 s of setup
+        (["recording", "--video-codec", "vp9"], "--video-codec"),
+        # gymnasium's traceback once the candidates were starting, or (empty --modes) exit 0 having run
+        # nothing and written an empty plot
+        (["rl_throughput", "--env", "Nope-v1"], "--env must be a registered gymnasium environment, got"),
+        (["rl_learning_curve", "--env", "Nope-v1"], "--env must be a registered gymnasium environment"),
+        (["rl_learning_curve", "--seed", "-1"], "APPOConfig.seed must be"),
+        (["rl_learning_curve", "--modes"], "--modes must name one or more of async, sync, got ()"),
+        (
+            ["rl_learning_curve", "--out", "/proc/x"],
+            "Args.out cannot be written: '/proc/x'",
+        ),  # a traceback after 10 s of setup
         (
             ["recording", "--writer-niceness", "0", "20"],
             "--writer-niceness takes distinct values in [0, 19], got (0, 20)",
