@@ -100,6 +100,10 @@ class Args:
             "keys_buffer_size",
             "keys_batch_size",
         )
+        if not self.sections:  # ran nothing and exited 0
+            raise ValueError(f"--sections must name one or more of {', '.join(ALL_SECTIONS)}, got ()")
+        if self.chunk_size > self.max_steps:  # failed with a traceback once the engines had started
+            raise ValueError(f"--chunk-size must be <= --max-steps {self.max_steps}, got {self.chunk_size}")
 
     def round_seconds(self, workload: Workload) -> float:
         """Time per candidate per round: image batches are ~30x slower, so they get twice as long."""

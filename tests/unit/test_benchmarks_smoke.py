@@ -144,6 +144,8 @@ def test_bench_command_lists_the_benchmarks(capsys):
         (["sampling", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),  # ran forever
         (["recording", "--rounds", "0"], "--rounds must be a finite number > 0, got 0"),
         (["recording", "--video-codec", "vp9"], "--video-codec"),
+        (["sampling", "--sections"], "--sections must name one or more of lowdim"),
+        (["sampling", "--chunk-size", "1000"], "--chunk-size must be <= --max-steps 300, got 1000"),
         # gymnasium's traceback once the candidates were starting, or (empty --modes) exit 0 having run
         # nothing and written an empty plot
         (["rl_throughput", "--env", "Nope-v1"], "--env must be a registered gymnasium environment, got"),
