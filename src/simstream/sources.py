@@ -316,9 +316,13 @@ class MixSpec:
                 differing = sorted(
                     name for name in set(fields) | set(first) if fields.get(name) != first.get(name)
                 )
+                details = "; ".join(
+                    f"{name!r}: {_described(fields.get(name))} against {_described(first.get(name))}"
+                    for name in differing
+                )
                 raise ValueError(
-                    f"MixSpec.specs[{k}] has other fields than specs[0]: {differing} differ (every source "
-                    "must have the same names, shapes and dtypes; LeRobotSpec(fields_subset=...) selects)"
+                    f"MixSpec.specs[{k}] has other fields than specs[0]: {details} (every source must have "
+                    "the same names, shapes and dtypes; LeRobotSpec(fields_subset=...) selects)"
                 )
             if spec.num_envs != specs[0].num_envs:
                 raise ValueError(
@@ -413,3 +417,8 @@ class MixSource:
                 errors.append(error)
         if errors:
             raise errors[0]
+
+
+def _described(field: Field | None) -> str:
+    """A field's shape and dtype, for a message comparing two sources."""
+    return "absent" if field is None else f"{tuple(field.shape)} {str(field.dtype).removeprefix('torch.')}"

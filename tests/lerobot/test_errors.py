@@ -360,6 +360,7 @@ def test_an_episodes_file_without_a_column_episodes_need(fixture_copy, column):
     [
         ({"fps": "20"}, r"fps must be an int >= 1, got '20'"),
         ({"fps": 0}, r"fps must be an int >= 1, got 0"),
+        ({"fps": 20.5}, r"fps must be an int >= 1, got 20.5"),
         ({"features": []}, r"features must map each key to a dict, got \[\]"),
         ({"features": {"observation.state": "float32"}}, r"features must map each key to a dict"),
     ],
@@ -637,4 +638,29 @@ def test_an_episodes_column_of_floats_is_refused_as_not_integers(fixture_copy):
     lengths = pa.array([float(n) for n in table.column("length").to_pylist()], pa.float64())
     pq.write_table(table.set_column(position, "length", lengths), path)
     with pytest.raises(LeRobotFormatError, match=rf"^{path}: column 'length' holds double, not integers$"):
+        LeRobotSpec(fixture_copy)
+
+
+def test_an_integral_float_fps_is_read_as_an_int(fixture_copy):
+    """Some converters write "fps": 30.0; it was refused as not an int."""
+    info_path = fixture_copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "fps": float(info["fps"])}))
+    spec = LeRobotSpec(fixture_copy)
+    assert spec.fps == info["fps"] and type(spec.fps) is int
+
+
+@pytest.mark.parametrize("indices", [[0, 0], [1, 2], [0, None]])
+def test_tasks_whose_indices_do_not_number_their_rows_are_refused(fixture_copy, indices):
+    """A duplicate index mapped texts silently; a gap gave a misleading "names no row" error later."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = fixture_copy / "meta" / "tasks.parquet"
+    table = pa.table({"task_index": pa.array(indices, pa.int64()), "task": ["a", "b"]})
+    pq.write_table(table, path)
+    with pytest.raises(
+        LeRobotFormatError,
+        match=re.escape(f"{path}: task_index must number the 2 rows 0 to 1 once each, got {indices}"),
+    ):
         LeRobotSpec(fixture_copy)

@@ -165,7 +165,8 @@ def test_numpy_weights_are_numbers_like_any_other():
         (
             (PatternSpec(), PatternSpec(image_size=16)),
             (1, 1),
-            r"MixSpec.specs\[1\] has other fields than specs\[0\]: \['obs/image'\] differ",
+            r"MixSpec.specs\[1\] has other fields than specs\[0\]: 'obs/image': \(3, 16, 16\) uint8 against "
+            r"absent \(every source",
         ),
         (
             (PatternSpec(), PatternSpec(num_envs=2)),

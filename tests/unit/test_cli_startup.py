@@ -54,7 +54,9 @@ def test_usage_lists_every_command(capsys, argv):
     from simstream.cli.main import COMMANDS, main
 
     assert main(argv) == (0 if argv else 2)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out if argv else captured.err  # --help to stdout; no command is a usage error
+    assert (captured.err if argv else captured.out) == ""
     assert all(f"  {name:<8} " in out for name in COMMANDS)
     assert "synthetic source or a built-in task" in out
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if argv else sys.stderr)  # no command: a usage error
         return 0 if argv else 2
     if argv[0] == "--version":
         from simstream import __version__

@@ -125,7 +125,14 @@ def _language(path: Path, index_name: str, text_name: str, required: bool) -> li
     names = table.column_names
     if index_name not in names or text_name not in names:
         raise LeRobotFormatError(f"{path}: needs columns {index_name!r} and {text_name!r}, has {names}")
-    order = np.argsort(table.column(index_name).to_numpy())
+    indices = table.column(index_name).to_pylist()
+    if sorted(i for i in indices if isinstance(i, int)) != list(range(len(indices))):
+        shown = indices if len(indices) <= 10 else [*indices[:10], "..."]
+        raise LeRobotFormatError(
+            f"{path}: {index_name} must number the {len(indices)} rows 0 to {len(indices) - 1} once each, "
+            f"got {shown}"
+        )
+    order = np.argsort(np.asarray(indices))
     texts = table.column(text_name).to_pylist()
     return [texts[i] for i in order]
 
@@ -158,6 +165,8 @@ def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
         if name not in info:
             raise LeRobotFormatError(f"{info_path}: has no {name!r}")
     fps = info["fps"]
+    if isinstance(fps, float) and fps.is_integer():  # 30.0, as some converters write it
+        fps = info["fps"] = int(fps)
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise LeRobotFormatError(f"{info_path}: fps must be an int >= 1, got {fps!r}")
     features = info["features"]
