@@ -18,7 +18,17 @@ import traceback
 from typing import Any
 
 from . import pick_place, stack  # noqa: F401  (registers the built-in tasks)
-from .base import ACTION_DIM, CAMERAS, COLOURS, OBJECTS_DIM, STATE_DIM, Goal, ManipulationTask, Phase
+from .base import (
+    ACTION_DIM,
+    CAMERAS,
+    COLOURS,
+    GL_BACKEND_FIX,
+    OBJECTS_DIM,
+    STATE_DIM,
+    Goal,
+    ManipulationTask,
+    Phase,
+)
 from .registry import (
     episode_instruction,
     get_task,
@@ -88,7 +98,6 @@ def _lazy_import_failure(name: str, error: Exception) -> str:
         backend = os.environ.get("MUJOCO_GL")
         return (
             f"simstream.tasks.{name} needs MuJoCo, whose import failed with MUJOCO_GL={backend!r}: "
-            f"{type(error).__name__}: {error}. Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt "
-            "libosmesa6) before mujoco is first imported"
+            f"{type(error).__name__}: {error}. {GL_BACKEND_FIX}"
         )
     return f"importing simstream.tasks.{name} failed: {type(error).__name__}: {error}"

@@ -34,6 +34,10 @@ COLOURS: tuple[str, ...] = ("red", "green", "blue")
 """Cube colours, also the order of the cubes in ``obs/objects``."""
 CAMERAS: tuple[str, ...] = ("front", "wrist", "top")
 """Cameras of the scene that can render ``obs/image``."""
+GL_BACKEND_FIX = (
+    "Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt libosmesa6) before mujoco is first imported"
+)
+"""What to do when MuJoCo's rendering backend cannot load (said where its import and its renderer fail)."""
 CUBE_HALF = 0.02
 """Half the edge of a cube (4 cm cubes), metres."""
 STATE_DIM = 23

@@ -18,7 +18,7 @@ os.environ.setdefault("LP_NUM_THREADS", "1")
 import mujoco
 import numpy as np
 
-from .base import COLOURS, CUBE_HALF, OBJECTS_DIM, STATE_DIM, quarter_turn
+from .base import COLOURS, CUBE_HALF, GL_BACKEND_FIX, OBJECTS_DIM, STATE_DIM, quarter_turn
 
 __all__ = ["ARM_JOINTS", "CONTROL_DT", "HOME_QPOS", "TabletopScene"]
 
@@ -173,8 +173,7 @@ class TabletopScene:
         except Exception as error:
             raise RuntimeError(
                 f"cannot create a MuJoCo renderer with MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}: "
-                f"{error}. Use EGL (libegl1 + Mesa) or set MUJOCO_GL=osmesa (apt libosmesa6) before "
-                "mujoco is first imported, or pass image_size=None for state-only episodes"
+                f"{error}. {GL_BACKEND_FIX}, or pass image_size=None for state-only episodes"
             ) from error
 
     def close(self) -> None:
