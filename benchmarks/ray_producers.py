@@ -254,7 +254,9 @@ def bare_pull_rate(
         # the engine's defaults, so that these actors do exactly the work the engine's do
         attempts = OnlineDataEngineCfg.max_generation_attempts
         checked = OnlineDataEngineCfg.check_unwritten_frames
-        handles = [remote.remote(spec_bytes, seed, seed, attempts, checked) for seed in range(actors)]
+        handles = [
+            remote.remote(spec_bytes, seed, seed, attempts, checked, per_call) for seed in range(actors)
+        ]
         ray.get([h.build.remote() for h in handles])
     else:
         remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)

@@ -274,6 +274,34 @@ def test_a_call_that_waits_for_room_in_the_lifecycle_log_is_not_a_hang(cluster):
         engine.check_health()
 
 
+def test_an_actor_runs_at_most_calls_in_flight_windows_ahead_of_the_ingest(cluster, tmp_path):
+    """Back-pressure on the actor's stream: while the ingest is held up on a full lifecycle log with one
+    window received, the actor rolls out at most ``calls_in_flight`` windows more, then waits; it goes on
+    once the owner drains the log."""
+    log = tmp_path / "rollouts"
+    backend = RayBackend(resources={"sim": 1}, calls_in_flight=2, max_restarts=0, publish_delay_s=0)
+    spec = ScriptedSpec(rollout_s=0.05, rollout_log=str(log))  # 20 windows of 2 rows per generation
+    cfg = ray_cfg(spec, backend, buffer_size=40, num_workers=1, lifecycle_event_capacity=80)
+
+    def rollouts() -> int:
+        return len(log.read_text().splitlines())
+
+    with OnlineDataEngine(cfg) as engine:
+        assert rollouts() == 20 and engine._shared.events.pending() == 40  # generation 1's publications
+        generation = engine.request_refill()
+        wait_for(lambda: engine._shared.events.pending() == 80, "a full lifecycle log")
+        # the ingest published the windows whose records fit and holds the next one, waiting for room
+        received = int((engine._shared.index.episode_id >= 40).sum()) // 2 + 1
+        assert 1 <= received < 20
+        wait_for(lambda: rollouts() == 20 + received + 2, "the actor to run 2 windows ahead of the ingest")
+        threading.Event().wait(1.0)  # the time of 20 rollouts: none more may start
+        assert rollouts() == 20 + received + 2
+        engine.drain_lifecycle_events()
+        engine.wait_for_generation(generation, timeout=60)
+        assert rollouts() == 40
+        engine.check_health()
+
+
 def test_stats_show_no_live_actor_while_a_lost_one_is_replaced(cluster):
     backend = RayBackend(resources={"sim": 1}, restart_delay_s=3600.0, max_restarts=1)
     with OnlineDataEngine(ray_cfg(backend=backend, num_workers=1, buffer_size=2)) as engine:

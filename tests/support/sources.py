@@ -68,6 +68,8 @@ class ScriptedSpec:
     """Seconds every rollout takes (a slow simulator)."""
     close_s: float = 0.0
     """Seconds ``close()`` takes (a recorder flushing)."""
+    rollout_log: str | None = None
+    """A file every rollout appends a line to (``worker attempt``): how many ran, wherever they ran."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -127,6 +129,9 @@ class ScriptedSource:
             raise simstream_node_only_error.NodeOnlyError("raised by a class only the producer's node has")
 
     def rollout(self, rows, *, attempt: int, should_stop):
+        if self.spec.rollout_log:
+            with open(self.spec.rollout_log, "a") as log:
+                log.write(f"{self.worker} {attempt}\n")
         if self.spec.rollout_s:
             threading.Event().wait(self.spec.rollout_s)
         self._fault(should_stop)

@@ -342,7 +342,7 @@ def test_the_ray_ingest_publishes_held_windows_like_one_by_one(per_call):
         for number, call in enumerate(calls):
             assert via_ray._shared.progress.worker_completed(0) == generation - 1
             assert torch.equal(via_ray._shared.index.episode_id, ids_before)  # held windows are invisible
-            producers._hold(producer, ingest._Call(None, number * per_call, len(call), generation), call, 0.0)
+            producers._hold(producer, ingest._Item(number * per_call, len(call), generation), call, 0.0)
         assert via_ray._shared.progress.worker_completed(0) == generation
         expected, actual = _state(local), _state(via_ray)
         assert actual["records"] == expected["records"]
@@ -384,12 +384,12 @@ def _published_rows(engine) -> list[int]:
 
 def test_a_full_group_of_held_windows_is_published_at_once():
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_windows=2, publish_delay_s=10.0)
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
     assert _published_rows(engine) == []
-    producers._hold(producer, ingest._Call(None, 1, 1, 1), payloads[1:2], time.monotonic())
+    producers._hold(producer, ingest._Item(1, 1, 1), payloads[1:2], time.monotonic())
     assert _published_rows(engine) == [0, 1, 2, 3]  # two windows: the group is full
     assert engine._shared.progress.worker_completed(0) == 0
-    producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+    producers._hold(producer, ingest._Item(2, 1, 1), payloads[2:], time.monotonic())
     assert _published_rows(engine) == [0, 1, 2, 3, 4]
     assert engine._shared.progress.worker_completed(0) == 1  # the generation's last window: at once
 
@@ -397,7 +397,7 @@ def test_a_full_group_of_held_windows_is_published_at_once():
 def test_held_windows_are_published_once_their_delay_passed():
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0.5)
     now = time.monotonic()
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], now)
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], now)
     assert 0 < producers._wait_slice(now) <= 0.5  # the ingest's next wait ends when the window is due
     producers._publish_overdue()
     assert _published_rows(engine) == []
@@ -410,7 +410,7 @@ def test_held_windows_are_published_once_their_delay_passed():
 
 def test_without_a_delay_every_call_is_published_as_it_arrives():
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0)
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
     assert _published_rows(engine) == [0, 1]
 
 
@@ -418,9 +418,9 @@ def test_a_failing_call_publishes_the_windows_held_before_it_then_fails_with_its
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
     from ray.exceptions import RayTaskError
 
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
     failing = object()
-    producer.calls.append(ingest._Call(failing, 1, 1, 1))
+    producer.calls.append(ingest._Stream(None, 1, 3, 1, item=failing))  # its item 1 is ready
 
     def get(ref, timeout=None):
         assert ref is failing
@@ -439,11 +439,11 @@ def test_a_held_window_with_an_unwritten_frame_fails_the_engine_after_the_window
     local producer publishing one by one would have, and fails with the check's own error."""
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
     payloads[1].frames["actions"][0, 1, 0] = np.nan  # window 1: rows 2 and 3
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
-    producers._hold(producer, ingest._Call(None, 1, 1, 1), payloads[1:2], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Item(1, 1, 1), payloads[1:2], time.monotonic())
     assert _published_rows(engine) == []  # both held
     with pytest.raises(ingest.Closing):
-        producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+        producers._hold(producer, ingest._Item(2, 1, 1), payloads[2:], time.monotonic())
     assert _published_rows(engine) == [0, 1]
     error = engine._shared.channel.error()
     assert type(error) is ValueError
@@ -452,10 +452,52 @@ def test_a_held_window_with_an_unwritten_frame_fails_the_engine_after_the_window
     assert engine._shared.progress.worker_completed(0) == 0
 
 
+def test_a_stream_that_ends_before_its_last_window_fails_the_engine_naming_it():
+    """Only a stopped actor ends its stream early; while the engine runs, that is a failure, not a wait
+    for windows that never come."""
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
+    from simstream.ray import RayProducerError
+
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
+    producer.calls.append(ingest._Stream(iter(()), 1, 3, 1))  # ends with windows 1 and 2 to come
+    with pytest.raises(ingest.Closing):
+        producers._receive(producer, producer.calls[0].head)
+    assert _published_rows(engine) == [0, 1]  # held before: visible
+    error = engine._shared.channel.error()
+    assert type(error) is RayProducerError
+    assert "producer-0" in str(error) and "its stream of generation 1 ended before window 2" in str(error)
+
+
+def test_an_item_whose_copy_left_the_node_is_waited_on_again_and_a_last_item_ends_its_stream(monkeypatch):
+    """``ray.get`` of a ready item may time out (its copy moved); the item taken from the stream is kept
+    and waited on directly. The generation's last window ends the stream without waiting for its end."""
+    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=0)
+    from ray.exceptions import GetTimeoutError
+
+    item = object()
+    stream = ingest._Stream(iter([item]), 2, 3, 1)  # window 2, the generation's last
+    producer.calls.append(stream)
+    results = [GetTimeoutError("its copy moved"), payloads[2:]]
+
+    def get(ref, timeout=None):
+        assert ref is item
+        result = results.pop(0)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    monkeypatch.setattr(ingest.ray, "get", get)
+    producers._receive(producer, stream.head)
+    assert stream.head is item and _published_rows(engine) == []
+    producers._receive(producer, stream.head)
+    assert _published_rows(engine) == [3, 4] and not producer.calls
+    assert engine._shared.progress.worker_completed(0) == 1
+
+
 def test_a_lost_actor_publishes_the_windows_held_and_asks_again_from_the_first_in_flight():
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
-    producer.calls.append(ingest._Call(object(), 1, 1, 1))
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
+    producer.calls.append(ingest._Stream(object(), 1, 3, 1))
     producer.next_number = 2
     producers._lost(producer, RuntimeError("the node is gone"))
     assert _published_rows(engine) == [0, 1]
@@ -477,22 +519,24 @@ def test_a_group_never_grows_past_publish_windows_across_calls(monkeypatch):
         publish(producer, number, generation, group)
 
     monkeypatch.setattr(producers, "_publish", spy)
-    producers._hold(producer, ingest._Call(None, 0, 2, 1), payloads[:2], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 2, 1), payloads[:2], time.monotonic())
     assert groups == []
-    producers._hold(producer, ingest._Call(None, 2, 2, 1), payloads[2:], time.monotonic())
+    producers._hold(producer, ingest._Item(2, 2, 1), payloads[2:], time.monotonic())
     assert groups == [(0, 2), (2, 2)]
     assert _published_rows(engine) == list(range(8))
 
 
 def test_a_call_past_its_timeout_publishes_the_windows_held_then_fails_naming_the_producer(monkeypatch):
-    ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0, call_timeout_s=5.0)
+    ingest, engine, producers, producer, payloads = _ray_ingest(
+        publish_delay_s=10.0, call_timeout_s=5.0, windows_per_call=2
+    )
     from simstream.ray import RayProducerError
 
     finished = set()
     monkeypatch.setattr(ingest.ray, "wait", lambda refs, timeout: ([r for r in refs if r in finished], []))
-    producers._hold(producer, ingest._Call(None, 0, 1, 1), payloads[:1], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
     head = object()
-    producer.calls.append(ingest._Call(head, 1, 2, 1))  # a call of 2 windows: 10 s before it is a hang
+    producer.calls.append(ingest._Stream(head, 1, 3, 1))  # an item of 2 windows: 10 s before it is a hang
     producer.head_since = time.monotonic() - 6.0
     producers._check_timeout(producer, time.monotonic())
     producer.head_since = time.monotonic() - 11.0
@@ -516,7 +560,7 @@ def test_production_time_counts_from_the_generation_s_first_call_to_its_last_win
     ingest, engine, producers, producer, payloads = _ray_ingest(publish_delay_s=10.0)
     producer.began_ns[1] = time.monotonic_ns() - 250_000_000  # generation 1's first call: 0.25 s ago
     for number in range(3):
-        producers._hold(producer, ingest._Call(None, number, 1, 1), payloads[number : number + 1], 0.0)
+        producers._hold(producer, ingest._Item(number, 1, 1), payloads[number : number + 1], 0.0)
     production_ns = engine._shared.progress.snapshot()["production_ns"]
     assert 250_000_000 <= production_ns < 60_000_000_000
     assert producer.began_ns == {}
@@ -532,9 +576,9 @@ def test_closing_between_the_groups_of_held_windows_leaves_the_published_ones_a_
         return begin(start, end, window_rows) if len(calls) == 1 else False
 
     monkeypatch.setattr(publisher, "begin", closing_on_the_second_group)
-    producers._hold(producer, ingest._Call(None, 0, 2, 1), payloads[:2], time.monotonic())
+    producers._hold(producer, ingest._Item(0, 2, 1), payloads[:2], time.monotonic())
     with pytest.raises(ingest.Closing):
-        producers._hold(producer, ingest._Call(None, 2, 1, 1), payloads[2:], time.monotonic())
+        producers._hold(producer, ingest._Item(2, 1, 1), payloads[2:], time.monotonic())
     assert calls == [(0, 4), (3, 5)]  # windows 0-1 together; the last window overlaps: a group of its own
     assert _published_rows(engine) == [0, 1, 2, 3]
     assert engine._shared.progress.worker_completed(0) == 0  # the generation did not complete

@@ -1,24 +1,24 @@
 """The trainer-side half of the Ray backend: the ingest process, its actors, restarts and shutdown.
 
-The engine starts one **ingest process** on the trainer's machine (:func:`run_ingest`, supervised like a
-local producer: its exceptions reach the error channel, its death is detected, ``stop()`` ends it in its
-bound). It is a Ray driver of its own: it connects to the cluster, owns the producer actors (so they die
-with it, whatever ends it) and publishes their windows into the shared buffer. Running it beside the
-trainer rather than as a thread inside it keeps the two from competing for one interpreter lock: as a
-thread, two Ray producers delivered 0.5 episodes/s while the demo trained, against 5.3 for two local
-producers. :class:`RayProducers` drives every actor: it asks an actor for a window only while the
-engine's requested generation is ahead of what that producer completed (idle producers stay idle), keeps
-at most ``calls_in_flight`` calls of ``windows_per_call`` windows each per actor, and waits on Ray with
-``ray.wait`` in short slices, holding no lock meanwhile. The windows that arrive from a producer's
-consecutive calls are held for at most ``publish_delay_s`` (up to ``publish_windows`` of them; a
-generation's last window ends the group at once) and published together with
-:class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their rows, the payloads copied
-in, one write pass, one publication (one lock hold, one lifecycle append), with the same records, ids and
-order as one-by-one publication; a producer's last window, whose rows may overlap the one before, is
-published on its own. Held windows are not visible yet; windows held when the engine stops are never
-published, like windows still in flight. The ingest process is the single writer of its
-producers' progress rows.
-Failures:
+The engine starts one **ingest process** on the trainer's machine (:func:`run_ingest`, supervised like a local
+producer: its exceptions reach the error channel, its death is detected, ``stop()`` ends it in its bound). It
+is a Ray driver of its own: it connects to the cluster, owns the producer actors (so they die with it,
+whatever ends it) and publishes their windows into the shared buffer. Running it beside the trainer rather
+than as a thread inside it keeps the two from competing for one interpreter lock: as a thread, two Ray
+producers delivered 0.5 episodes/s while the demo trained, against 5.3 for two local producers.
+:class:`RayProducers` drives every actor: it asks an actor for a window only while the engine's requested
+generation is ahead of what that producer completed (idle producers stay idle), with one streaming call per
+generation (:meth:`~simstream.ray.actor.ProducerActor.stream`) whose items of ``windows_per_call`` windows
+Ray's back-pressure keeps at most ``calls_in_flight`` ahead of the ingest, and waits on Ray with ``ray.wait``
+in short slices, holding no lock meanwhile. A stream costs the ingest and the actor one submission per
+generation instead of one per item (``BENCHMARKS.md``, run 11). The windows that arrive from a producer's
+consecutive items are held for at most ``publish_delay_s`` (up to ``publish_windows`` of them; a generation's
+last window ends the group at once) and published together with
+:class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their rows, the payloads copied in, one
+write pass, one publication (one lock hold, one lifecycle append), with the same records, ids and order as
+one-by-one publication; a producer's last window, whose rows may overlap the one before, is published on its
+own. Held windows are not visible yet; windows held when the engine stops are never published, like windows
+still in flight. The ingest process is the single writer of its producers' progress rows. Failures:
 
 * an exception in the source arrives as Ray's task error; its cause (the original exception) is
   published on the error channel, so the owner and every consumer raise it;
@@ -74,6 +74,8 @@ _WATCH_POLL_S = 0.5
 """How often the ingest looks at its actors' watch calls: a lost idle actor is restarted this late at most."""
 _WATCH_CALL_S = 30.0
 """Longest single watch call; a call that returned is renewed."""
+_STREAMS_AHEAD = 2
+"""Streaming calls outstanding per actor: the current generation's and, once requested, the next one's."""
 _LOSSES = (RayActorError, NodeDiedError, ObjectLostError, OutOfMemoryError, WorkerCrashedError)
 """Ray's errors for a producer that is gone (its process, its node or its result): restarted. Any other
 ``RayError`` (a result that cannot be deserialized here, a runtime environment that cannot be set up, ...)
@@ -132,13 +134,34 @@ def run_ingest(
         shared.progress.notify()
 
 
-@dataclass
-class _Call:
-    ref: object
+@dataclass(frozen=True)
+class _Item:
+    """The windows one item of a stream carries: ``number .. number + count - 1`` of ``generation``."""
+
     number: int
-    """The first window of the call; it covers ``number .. number + count - 1`` of one generation."""
     count: int
     generation: int
+
+
+@dataclass
+class _Stream:
+    """One streaming call: the windows ``number .. end - 1`` of ``generation`` not received yet."""
+
+    generator: object
+    """Ray's ``ObjectRefGenerator`` of the call (dropping it releases the actor from back-pressure)."""
+    number: int
+    end: int
+    generation: int
+    item: object = None
+    """The next item's reference once taken from the generator, until its value is received."""
+
+    @property
+    def head(self) -> object:
+        """What the ingest waits on: the item taken, else the generator (ready with its next item)."""
+        return self.generator if self.item is None else self.item
+
+    def next_item(self, per_item: int) -> _Item:
+        return _Item(self.number, min(per_item, self.end - self.number), self.generation)
 
 
 @dataclass
@@ -158,8 +181,9 @@ class _Producer:
     restarts: int = 0
     restart_at: float = 0.0
     calls: deque = field(default_factory=deque)
+    """Outstanding streaming calls (:class:`_Stream`), oldest first: at most one generation's behind it."""
     head_since: float = 0.0
-    """When the oldest outstanding call (or the build) became the one its actor works on."""
+    """When the oldest stream's next item (or the build) became the one its actor works on."""
     next_generation: int = 1
     next_number: int = 0
     began_ns: dict[int, int] = field(default_factory=dict)
@@ -277,7 +301,12 @@ class RayProducers:
         options = {key: value for key, value in options.items() if value is not None}
         seed = derive_worker_seed(cfg.seed, producer.index, producer.restarts)
         producer.actor = self._actor_class.options(**options).remote(
-            self._spec_bytes, producer.index, seed, cfg.max_generation_attempts, cfg.check_unwritten_frames
+            self._spec_bytes,
+            producer.index,
+            seed,
+            cfg.max_generation_attempts,
+            cfg.check_unwritten_frames,
+            backend.windows_per_call,
         )
         producer.build_ref = producer.actor.build.remote()
         producer.where_ref = producer.actor.where.options(concurrency_group="control").remote()
@@ -300,9 +329,11 @@ class RayProducers:
         for producer in self._producers:
             built = producer.build_ref is None or bool(ray.wait([producer.build_ref], timeout=0)[0])
             if producer.actor is not None and built:  # built, whether or not its result was received
-                # stop ends the rollout in progress; close follows the calls in flight (each now returns
-                # at once) and closes the source in the thread that built it
+                # stop ends the rollout in progress; dropping the streams releases one that waits for
+                # room (back-pressure), so it returns, and close, queued behind it, closes the source
+                # in the thread that built it
                 producer.actor.stop.options(concurrency_group="control").remote()
+                producer.calls.clear()
                 refs[producer.actor.close.remote()] = producer
         pending = list(refs)
         while pending and time.monotonic() < deadline:
@@ -347,17 +378,17 @@ class RayProducers:
                     self._check_timeout(producer, now)
                 heads = {}
                 for producer in self._producers:
-                    ref = producer.build_ref or (producer.calls[0].ref if producer.calls else None)
-                    if ref is not None:
-                        heads[ref] = producer
+                    head = producer.build_ref or (producer.calls[0].head if producer.calls else None)
+                    if head is not None:
+                        heads[head] = producer
                 if not heads:
                     for producer in self._producers:
                         self._publish_held(producer)
                     progress.wait_for_request(0, _SLICE_S)
                     continue
                 ready, _ = ray.wait(list(heads), num_returns=1, timeout=self._wait_slice(now))
-                for ref in ready:
-                    self._receive(heads[ref], ref)
+                for head in ready:
+                    self._receive(heads[head], head)
                 self._publish_overdue()
         except Closing:
             pass
@@ -387,22 +418,39 @@ class RayProducers:
         if producer.build_ref is not None:
             return
         requested = self._shared.progress.requested_generation
-        limit, per_call = self._backend.calls_in_flight, self._backend.windows_per_call
-        while len(producer.calls) < limit and producer.next_generation <= requested:
+        backend, end = self._backend, len(producer.starts)
+        # the next generation's stream waits on the actor behind the current one, so the actor starts it
+        # as soon as the current one ends; Ray's back-pressure bounds how far each runs ahead
+        while len(producer.calls) < _STREAMS_AHEAD and producer.next_generation <= requested:
             if not producer.calls:
                 producer.head_since = now
-            count = min(per_call, len(producer.starts) - producer.next_number)
             if producer.next_number == 0:
                 producer.began_ns.setdefault(producer.next_generation, time.monotonic_ns())
-            ref = producer.actor.generate.remote(producer.next_number, count)
-            producer.calls.append(_Call(ref, producer.next_number, count, producer.next_generation))
-            producer.next_number += count
-            if producer.next_number == len(producer.starts):
-                producer.next_generation, producer.next_number = producer.next_generation + 1, 0
+            stream = producer.actor.stream.options(
+                _generator_backpressure_num_objects=backend.calls_in_flight
+            ).remote(producer.next_number, end - producer.next_number, backend.windows_per_call)
+            producer.calls.append(_Stream(stream, producer.next_number, end, producer.next_generation))
+            producer.next_generation, producer.next_number = producer.next_generation + 1, 0
 
-    def _receive(self, producer: _Producer, ref) -> None:
+    def _receive(self, producer: _Producer, head) -> None:
+        """Receive what ``head`` (the build, or the oldest stream's next item) made ready."""
+        stream = None if head is producer.build_ref else producer.calls[0]
         try:
-            value = ray.get(ref, timeout=0)
+            if stream is not None and stream.item is None:
+                stream.item = next(stream.generator)
+            value = ray.get(head if stream is None else stream.item, timeout=0)
+        except StopIteration:  # the stream returned early, which only a stopped actor does
+            producer.calls.popleft()
+            producer.head_since = time.monotonic()
+            self._publish_held(producer)
+            if not self._closing():
+                self._fail(
+                    producer,
+                    producer.node_id,
+                    f"its stream of generation {stream.generation} ended before window {stream.number + 1}",
+                    "failed",
+                )
+            return
         except RayTaskError as error:  # the source (or the window's check) raised: fatal, as locally
             self._publish_held(producer)  # the windows before the failing one are visible, as locally
             self._shared.channel.publish(_original(error), producer.label)
@@ -418,27 +466,32 @@ class RayProducers:
                 producer, producer.node_id, f"Ray could not deliver its result ({_describe(error)})", "failed"
             )
         now = time.monotonic()
-        if ref is producer.build_ref:
+        if stream is None:
             producer.build_ref = None
             producer.node_id, producer.pid = value["node_id"], value["pid"]
             self._shared.progress.set_worker_pid(producer.index, producer.pid)
             self._shared.progress.set_worker_node(producer.index, producer.node_id)
             self._watch(producer)
             return
-        call = producer.calls.popleft()
+        item = stream.next_item(self._backend.windows_per_call)
+        stream.item = None
+        stream.number += len(value)
+        if stream.number >= stream.end or len(value) < item.count:
+            # its last item (or it was stopped): the end of the stream is not waited for
+            producer.calls.popleft()
         producer.head_since = now
         if value and isinstance(value[-1], WindowFailure):
             # windows before the failing one arrived whole: visible first, as a local producer's
-            self._hold(producer, call, value[:-1], now)
+            self._hold(producer, item, value[:-1], now)
             self._publish_held(producer)
             failure = value[-1]
             self._shared.channel.publish(_sendable(failure.error, failure.traceback), producer.label)
             raise Closing
-        self._hold(producer, call, value, now)
+        self._hold(producer, item, value, now)
 
-    def _hold(self, producer: _Producer, call: _Call, payloads: list[WindowPayload], now: float) -> None:
-        """Keep the windows of a call that arrived with those held before it; publish the group once it
-        is full, ends the generation, or (with ``publish_delay_s == 0``) at once."""
+    def _hold(self, producer: _Producer, call: _Item, payloads: list[WindowPayload], now: float) -> None:
+        """Keep the windows of a stream's item that arrived with those held before it; publish the group
+        once it is full, ends the generation, or (with ``publish_delay_s == 0``) at once."""
         backend = self._backend
         if producer.held and (
             call.generation != producer.held_generation
@@ -580,8 +633,8 @@ class RayProducers:
                 "starting its actor and building its source did not finish within "
                 f"RayBackend.start_timeout_s={limit} s"
             )
-        else:  # a call of k windows may take k times the limit of one
-            count = producer.calls[0].count
+        else:  # an item of k windows may take k times the limit of one
+            count = producer.calls[0].next_item(backend.windows_per_call).count
             limit = backend.call_timeout_s * count
             what = (
                 f"a window call did not finish within RayBackend.call_timeout_s={backend.call_timeout_s} s"
@@ -591,7 +644,7 @@ class RayProducers:
             )
         if now - producer.head_since <= limit:
             return
-        head = producer.build_ref or producer.calls[0].ref
+        head = producer.build_ref or producer.calls[0].head
         if ray.wait([head], timeout=0)[0]:
             # finished, only not received yet: the ingest itself was held up (e.g. waiting for room in the
             # lifecycle log, or for the recorder), which is back-pressure, not a hang of the actor
