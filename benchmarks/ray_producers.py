@@ -45,6 +45,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -88,6 +89,9 @@ class Args:
     producer lasts about 40 ms and the bubble cost about a tenth of the rate (BENCHMARKS.md, run 8)."""
     windows_per_call: tuple[int, ...] = (1, 8)
     """``RayBackend.windows_per_call`` values of the ingest section (the bare loop returns as many)."""
+    calls_in_flight: int = RayBackend.calls_in_flight
+    """``RayBackend.calls_in_flight`` of the ingest section; the bare loops keep as many calls (or stream
+    items) outstanding per actor."""
     sections: tuple[str, ...] = ("production", "ingest", "sampling")
     pin: bool = False
     """Give the trainer's side (ingest process, bare loop driver, sampling thread) CPU 0 of its own."""
@@ -217,6 +221,11 @@ class _PayloadActor:
             ]
         return windows
 
+    def stream(self, number: int, count: int, per_item: int) -> Iterator[list[dict[str, np.ndarray]]]:
+        """:meth:`generate`'s windows as a streaming call, as the engine's actors stream theirs."""
+        for _ in range(0, count, per_item):
+            yield self.generate(number, per_item)
+
 
 def bare_pull_rate(
     image: bool,
@@ -227,15 +236,20 @@ def bare_pull_rate(
     per_call: int,
     pin: bool = False,
     producer_actors: bool = False,
+    stream: bool = False,
+    in_flight: int = 2,
 ) -> tuple[float, float]:
-    """Episodes/s of ``ray.wait`` over ``actors`` x 2 calls in flight of ``per_call`` episodes each, copied
+    """Episodes/s of ``ray.wait`` over ``actors`` x ``in_flight`` calls of ``per_call`` episodes each, copied
     into shared tensors, and this process's CPU microseconds per episode; ``pin``: this process on the
     trainer CPU meanwhile.
 
     ``producer_actors``: the actors are the engine's own (:class:`~simstream.ray.actor.ProducerActor`,
     built from the same spec), so the loop receives exactly what the engine's ingest receives (frames
     and episode reports, from actors doing the same work) and only copies the frames; otherwise
-    :class:`_PayloadActor`, which returns precomputed frames and no reports."""
+    :class:`_PayloadActor`, which returns precomputed frames and no reports.
+
+    ``stream``: one streaming call per actor (``ray.wait`` on its generator, back-pressure of ``in_flight``
+    items) instead of ``in_flight`` calls, the way the engine's ingest asks its actors for windows."""
     import cloudpickle
     import ray
 
@@ -262,9 +276,14 @@ def bare_pull_rate(
         remote = ray.remote(_PayloadActor).options(num_cpus=1, resources=resources)
         handles = [remote.remote(image, seed) for seed in range(actors)]
     ray.get([h.generate.remote(0, per_call) for h in handles])  # started and warm
+    calls = in_flight
     in_flight = {}
     for index, handle in enumerate(handles):
-        for _ in range(2):
+        if stream:
+            call = handle.stream.options(_generator_backpressure_num_objects=calls)
+            in_flight[call.remote(0, 10**12, per_call)] = index
+            continue
+        for _ in range(calls):
             in_flight[handle.generate.remote(0, per_call)] = index
     count, row = 0, [0] * actors
     if pin:
@@ -273,7 +292,10 @@ def bare_pull_rate(
     while time.perf_counter() - began < seconds:
         ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
         for ref in ready:
-            index = in_flight.pop(ref)
+            if stream:  # the generator stays; its next item is ready
+                index, ref = in_flight[ref], next(ref)
+            else:
+                index = in_flight.pop(ref)
             for payload in ray.get(ref):
                 frames = payload.frames if producer_actors else payload
                 target = index * rows + row[index]
@@ -281,10 +303,12 @@ def bare_pull_rate(
                 for name, array in frames.items():
                     np.copyto(tensors[name][target : target + 1, : array.shape[1]].numpy(), array)
                 count += 1
-            in_flight[handles[index].generate.remote(0, per_call)] = index
+            if not stream:
+                in_flight[handles[index].generate.remote(0, per_call)] = index
     elapsed, cpu = time.perf_counter() - began, process_cpu_seconds([os.getpid()]) - cpu
     if pin:
         pin_process(os.getpid(), cluster_cpus())
+    in_flight.clear()  # a generator dropped releases its actor from back-pressure
     for handle in handles:
         ray.kill(handle)
     return count / elapsed, 1e6 * cpu / max(1, count)
@@ -320,23 +344,34 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         f"Ingest capacity, {nodes}: zero-cost source in {args.actors} actors (episodes/s; trainer-side CPU "
         "per episode: the bare loop's driver, the engine's ingest process)",
         ["payload", "windows per call", "bare loop, engine's actors", "engine", "ratio", "target", "verdict",
-         "bare loop, frames only", "ratio to it", "verdict to it", "MiB/s", "sim cores absorbed",
+         "bare loop, frames only", "ratio to it", "verdict to it", "bare streaming loop, frames only",
+         "ratio to it", "verdict to it", "MiB/s", "sim cores absorbed",
          "CPU us/ep bare (engine's actors / frames only)", "CPU us/ep engine", "CPU ratio (to each)",
          "sim cores per trainer core"],
     )  # fmt: skip
     for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
-        backend = RayBackend(resources=resources, windows_per_call=per_call)
+        backend = RayBackend(
+            resources=resources, windows_per_call=per_call, calls_in_flight=args.calls_in_flight
+        )
         spec = zero_cost_spec(image)
-        bare, frames_only, engine = [], [], []
+        bare, frames_only, streamed, engine = [], [], [], []
         for _ in range(args.rounds):
             pull = partial(
-                bare_pull_rate, image, args.actors, args.ingest_rows, args.seconds, resources, per_call
+                bare_pull_rate,
+                image,
+                args.actors,
+                args.ingest_rows,
+                args.seconds,
+                resources,
+                per_call,
+                in_flight=args.calls_in_flight,
             )
             bare.append(pull(args.pin, producer_actors=True))
             frames_only.append(pull(args.pin))
+            streamed.append(pull(args.pin, stream=True))
             engine.append(engine_rate(spec, args.actors, args.ingest_rows, args.seconds, backend, args.pin))
-        bare_rate, frames_rate, engine_eps = (
-            statistics.median(r[0] for r in rates) for rates in (bare, frames_only, engine)
+        bare_rate, frames_rate, stream_rate, engine_eps = (
+            statistics.median(r[0] for r in rates) for rates in (bare, frames_only, streamed, engine)
         )
         bare_cpu, frames_cpu, engine_cpu = (
             statistics.median(r[1] for r in rates) for rates in (bare, frames_only, engine)
@@ -349,7 +384,8 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         cpu_ratios = f"{ratio(bare_cpu, engine_cpu):.2f} / {ratio(frames_cpu, engine_cpu):.2f}"
         table.row(
             payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), frames_rate,
-            ratio(engine_eps, frames_rate), check(ratio(engine_eps, frames_rate), 0.80), mib_s,
+            ratio(engine_eps, frames_rate), check(ratio(engine_eps, frames_rate), 0.80), stream_rate,
+            ratio(engine_eps, stream_rate), check(ratio(engine_eps, stream_rate), 0.80), mib_s,
             ratio(engine_eps, one),
             f"{bare_cpu:.0f} / {frames_cpu:.0f}", engine_cpu, cpu_ratios, ratio(ratio(1e6, engine_cpu), one),
         )  # fmt: skip
@@ -393,6 +429,8 @@ def sampling(args: Args) -> None:
 
 def main() -> None:
     args = tyro.cli(Args).effective()
+    for per_call in args.windows_per_call:  # the ingest section's settings, checked before anything runs
+        RayBackend(windows_per_call=per_call, calls_in_flight=args.calls_in_flight)
     set_single_thread()
     if args.pin:  # Ray's processes (started below) and the engines' ingest processes inherit this
         pin_process(os.getpid(), cluster_cpus())

@@ -68,31 +68,33 @@ class RayBackend:
     num_cpus: float = 1.0
     """CPUs each actor reserves from the cluster, in ``[0, 1024]`` (one simulation core by default)."""
     call_timeout_s: float = 300.0
-    """Seconds one window may take on its actor (from the moment its call is next in line; a call of
+    """Seconds one window may take on its actor (from the moment the ingest waits for it; an item of
     ``windows_per_call`` windows may take that many times as long), in ``(0, 1e6]``; past it the engine
-    fails (a hang). A call that finished but waits for the ingest (held up by back-pressure: a full
+    fails (a hang). An item that is finished but waits for the ingest (held up by back-pressure: a full
     lifecycle log, a recorder) never counts as a hang."""
     start_timeout_s: float = 600.0
     """Seconds an actor may take to be placed on a node, start and build its source, in ``(0, 1e6]``
     (a replacement waits here while its node is gone); past it the engine fails."""
     calls_in_flight: int = 2
-    """Calls outstanding on one actor, counting the one whose result is awaited, in ``[1, 64]``: 2 keeps
-    the actor busy while a finished window travels (1: the next call is made only once the last result
-    arrived), bounded so that idle producers stay idle."""
+    """Items (of ``windows_per_call`` windows each) one actor may have finished or be making that the
+    ingest has not received yet, in ``[1, 64]``. The ingest asks an actor for a generation's windows with
+    one streaming call, and Ray's back-pressure holds the actor at this bound: 2 keeps it busy while a
+    finished item travels (1: it starts an item only once the last one was received). An actor works
+    only on generations the engine requested, so idle producers stay idle."""
     windows_per_call: int = 1
-    """Windows one call generates and returns together, in ``[1, 1024]``. Each call costs the trainer a
-    fixed amount of Ray overhead (about a millisecond); raise it for sources whose windows take far less
-    than that to simulate, so that one trainer absorbs more of them (``BENCHMARKS.md``)."""
+    """Windows one item of an actor's stream carries, in ``[1, 1024]``. Each item costs the trainer a
+    fixed amount of Ray overhead (about half a millisecond); raise it for sources whose windows take far
+    less than that to simulate, so that one trainer absorbs more of them (``BENCHMARKS.md``)."""
     publish_windows: int = 32
     """Most windows of one producer the ingest publishes together, in ``[1, 1024]``: windows that arrived
-    from consecutive calls are claimed, written and published as one group (one claim, one lock hold, one
+    in consecutive items are claimed, written and published as one group (one claim, one lock hold, one
     lifecycle append), which costs the trainer a fraction of publishing them one by one (``BENCHMARKS.md``,
-    run 8). The windows of one call always go together, so a call of more windows makes a larger group;
-    1: every call's windows are published as they arrive."""
+    run 8). The windows of one item always go together, so an item of more windows makes a larger group;
+    1: every item's windows are published as they arrive."""
     publish_delay_s: float = 0.01
     """Longest a window that arrived waits for the windows after it, in ``[0, 10]`` seconds, before its
     group is published. A producer's last window of a generation is published at once, so refills and
-    ``wait_for_generation`` are not delayed; 0: publish every call's windows as they arrive."""
+    ``wait_for_generation`` are not delayed; 0: publish every item's windows as they arrive."""
     restart_delay_s: float = 1.0
     """Seconds between losing an actor and starting its replacement, in ``[0, 3600]``."""
     runtime_env: Mapping[str, object] | None = None
