@@ -12,10 +12,11 @@ Run inside a private network namespace, where Ray binds to 127.0.0.1 only::
   float32 per frame, 60-80 frames, optionally a 3x64x64 uint8 camera) in ``--actors`` actors; the engine's
   published episodes/s against a bare Ray pull loop (the same payloads returned by value from the same
   number of actors, ``ray.wait``, copied into shared tensors of the same layout, no engine). The bare
-  loop runs twice, and every row prints a verdict against each: with the engine's own actors (the same
-  objects cross Ray, frames and episode reports, from actors doing the same work) and with actors that
+  loop runs three times, and every row prints a verdict against each: with the engine's own actors (the
+  same objects cross Ray, frames and episode reports, from actors doing the same work), with actors that
   return precomputed frames and no reports (what Ray alone moves; on a small machine the engine's
-  actors, which run the producer body, take CPU from the trainer's side that these do not). One node
+  actors, which run the producer body, take CPU from the trainer's side that these do not), and with
+  those actors streaming (one streaming call per actor, as the engine's ingest asks for windows). One node
   (``ray.init``) and two nodes (``ray.cluster_utils.Cluster``, actors pinned to the second node, so every
   window crosses Ray's object transfer). "Simulation cores one trainer can absorb" is the engine's
   ingest rate divided by one core's ``pick_place`` episodes/s from the production section.
@@ -70,7 +71,7 @@ from simstream.ray import RayBackend
 
 @dataclass(frozen=True)
 class Args:
-    """Ray producers benchmark (defaults: about 6 minutes on 2 vCPUs)."""
+    """Ray producers benchmark (defaults: about 23 minutes on 2 vCPUs)."""
 
     quick: bool = False
     """Sub-second rounds: checks that everything runs, figures are meaningless."""
