@@ -664,3 +664,95 @@ def test_tasks_whose_indices_do_not_number_their_rows_are_refused(fixture_copy, 
         match=re.escape(f"{path}: task_index must number the 2 rows 0 to 1 once each, got {indices}"),
     ):
         LeRobotSpec(fixture_copy)
+
+
+def _relayout(root: Path, data_path: str, video_path: str) -> None:
+    """Move every data and video file to where the templates put them, and name the templates in
+    info.json, as a converter with another file layout would have written the dataset."""
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    meta = read_dataset_meta(root, stats=False)
+    moves = {}
+    for ep in meta.episodes:
+        chunk, file = ep["data/chunk_index"], ep["data/file_index"]
+        moves[meta.data_path(ep)] = root / data_path.format(chunk_index=chunk, file_index=file)
+        for key in meta.video_keys:
+            chunk, file = ep[f"videos/{key}/chunk_index"], ep[f"videos/{key}/file_index"]
+            target = video_path.format(video_key=key, chunk_index=chunk, file_index=file)
+            moves[meta.video_path(ep, key)] = root / target
+    for old, new in moves.items():
+        new.parent.mkdir(parents=True, exist_ok=True)
+        old.rename(new)
+    for folder in ("data", "videos"):  # every file moved: only empty folders are left
+        assert not any(path.is_file() for path in (root / folder).rglob("*"))
+        shutil.rmtree(root / folder, ignore_errors=True)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "data_path": data_path, "video_path": video_path}))
+
+
+def test_a_dataset_of_another_file_layout_is_read_where_info_json_says(fixture_copy, tmp_path):
+    """LeRobot finds every file through info.json's data_path and video_path templates; so does a replay
+    (it assumed the default layout, and called the moved files missing)."""
+    default = tmp_path / "default"
+    shutil.copytree(fixture_copy, default)
+    _relayout(fixture_copy, "parquet/{chunk_index}_{file_index}.parquet", "mp4/{video_key}-{file_index}.mp4")
+    assert not (fixture_copy / "data").exists() and not (fixture_copy / "videos").exists()
+
+    def read(root: Path) -> list:
+        source = LeRobotSpec(root).build(0, 0)
+        try:
+            return [source.reader.read(e) for e in range(len(source.meta.episodes))]
+        finally:
+            source.close()
+
+    moved, expected = read(fixture_copy), read(default)
+    assert len(moved) == len(expected) > 0
+    for got, want in zip(moved, expected):
+        assert got.frames.keys() == want.frames.keys()
+        for name in want.frames:
+            np.testing.assert_array_equal(got.frames[name], want.frames[name])
+        np.testing.assert_array_equal(got.task_index, want.task_index)
+
+
+@pytest.mark.parametrize(
+    ("field", "template", "fragment"),
+    [
+        ("data_path", 5, r"got 5 \(TypeError: int\)"),
+        ("data_path", "data/{chunk:03d}/f.parquet", r"got 'data/\{chunk:03d\}/f.parquet' \(KeyError"),
+        ("data_path", "data/{0}.parquet", r"\(IndexError"),
+        ("data_path", "/data/{chunk_index}/{file_index}", r"got '/data/\{chunk_index\}/\{file_index\}'$"),
+        ("data_path", " ", r"got ' '$"),
+        ("video_path", None, r"of chunk_index and file_index \(and video_key\) such as 'videos/"),
+    ],
+)  # fmt: skip
+def test_an_info_json_path_template_that_cannot_name_the_files_is_refused(
+    fixture_copy, field, template, fragment
+):
+    info_path = fixture_copy / "meta" / "info.json"
+    info_path.write_text(json.dumps({**json.loads(info_path.read_text()), field: template}))
+    with pytest.raises(
+        LeRobotFormatError, match=rf"{info_path}: {field} must be a relative path template.*{fragment}"
+    ):
+        LeRobotSpec(fixture_copy)
+
+
+def test_a_recording_of_another_file_layout_is_neither_appended_to_nor_repaired(tmp_path):
+    """The writer writes the default layout, and repair deletes every file no episode references in it:
+    a recording whose info.json names another layout is refused before anything is written or deleted."""
+    from simstream.lerobot.writer import repair
+
+    root = tmp_path / "ds"
+    features = features_from_fields(PatternSpec().fields(), KeyMap(), video=True)
+    with DatasetWriter(root, features, 20) as writer:
+        writer.add(pattern_record(0, image_size=None))
+        writer.flush()
+    _relayout(root, "parquet/{chunk_index}_{file_index}.parquet", "mp4/{video_key}-{file_index}.mp4")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    message = r"are not simstream's layout \('data/chunk-\{chunk_index:03d\}/file-\{file_index:03d\}.parquet'"
+    with pytest.raises(LeRobotFormatError, match=message):
+        DatasetWriter(root, features, 20)
+    with pytest.raises(LeRobotFormatError, match=message):
+        repair(root)
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == files
+    assert len(LeRobotSpec(root).build(0, 0).reader.read(0).frames) > 0

@@ -79,16 +79,44 @@ class DatasetMeta:
         )
 
     def data_path(self, episode: dict[str, Any]) -> Path:
-        return self.root / DATA_PATH.format(
+        """The episode's data file, from info.json's ``data_path`` template (as LeRobot reads it)."""
+        return self.root / self.info["data_path"].format(
             chunk_index=episode["data/chunk_index"], file_index=episode["data/file_index"]
         )
 
     def video_path(self, episode: dict[str, Any], key: str) -> Path:
-        return self.root / VIDEO_PATH.format(
+        """The episode's video file of camera ``key``, from info.json's ``video_path`` template."""
+        return self.root / self.info["video_path"].format(
             video_key=key,
             chunk_index=episode[f"videos/{key}/chunk_index"],
             file_index=episode[f"videos/{key}/file_index"],
         )
+
+
+def _path_template(info_path: Path, info: dict[str, Any], name: str, default: str | None) -> str | None:
+    """info.json's ``data_path`` or ``video_path``: a relative path template of ``chunk_index`` and
+    ``file_index`` (and ``video_key``), which LeRobot formats to find each episode's files. A missing
+    field means the default layout; ``video_path`` may be null only in a dataset without videos."""
+    template = info.get(name, default)
+    if template is None and default is None:
+        return None
+    example = {"chunk_index": 0, "file_index": 0, "video_key": "camera"}
+    try:
+        if not isinstance(template, str):
+            raise TypeError(type(template).__name__)
+        relative = not Path(template.format(**example)).is_absolute()
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as error:
+        relative = False
+        problem = f" ({type(error).__name__}: {error})"
+    else:
+        problem = ""
+    if not relative or not template.strip():
+        fields = "chunk_index and file_index" + (" (and video_key)" if name == "video_path" else "")
+        raise LeRobotFormatError(
+            f"{info_path}: {name} must be a relative path template of {fields} such as "
+            f"{default or VIDEO_PATH!r}, got {template!r}{problem}"
+        )
+    return template
 
 
 @contextlib.contextmanager
@@ -172,6 +200,9 @@ def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
     features = info["features"]
     if not isinstance(features, dict) or not all(isinstance(v, dict) for v in features.values()):
         raise LeRobotFormatError(f"{info_path}: features must map each key to a dict, got {features!r:.80}")
+    has_video = any(spec.get("dtype") == "video" for spec in features.values())
+    info["data_path"] = _path_template(info_path, info, "data_path", DATA_PATH)
+    info["video_path"] = _path_template(info_path, info, "video_path", VIDEO_PATH if has_video else None)
     required = [*_EPISODE_COLUMNS]
     for key, spec in features.items():
         if spec.get("dtype") == "video":

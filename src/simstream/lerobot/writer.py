@@ -530,6 +530,15 @@ def _check_simstream_recording(meta) -> None:
         raise LeRobotFormatError(
             f"{meta.root}/meta/info.json: not a simstream recording; cannot append to it"
         )
+    video_path = VIDEO_PATH if meta.video_keys else None
+    if meta.info["data_path"] != DATA_PATH or meta.info["video_path"] != video_path:
+        # the writer writes, and repair keeps, files of the default layout only: another layout's files
+        # would be taken for unreferenced ones and deleted
+        raise LeRobotFormatError(
+            f"{meta.root}/meta/info.json: data_path {meta.info['data_path']!r} and video_path "
+            f"{meta.info['video_path']!r} are not simstream's layout ({DATA_PATH!r}, {video_path!r}); "
+            "cannot append to it or repair it"
+        )
 
 
 def repair(root: Path | str) -> dict[str, Any]:
