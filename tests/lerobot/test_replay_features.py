@@ -301,3 +301,60 @@ def test_frames_past_the_row_capacity_are_not_read(tmp_path):
         assert bool(batch["valid"].all()) and bool((batch["actions"][:, :, 0] == torch.arange(5.0)).all())
         stats = engine.get_stats()
     assert stats["successful_episodes"] >= 2
+
+
+def _replace_grid(root: Path, grid_of_row) -> Path:
+    """Rewrite ``observation.grid`` of ``many_kinds``'s data file with ``grid_of_row(index)`` per frame."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = root / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    kind = pa.list_(pa.list_(pa.float32()))
+    grid = pa.array([grid_of_row(int(i)) for i in table.column("index").to_numpy()], kind)
+    position = table.schema.get_field_index("observation.grid")
+    pq.write_table(table.set_column(position, pa.field("observation.grid", kind), grid), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("grid_of_row", "fragment"),
+    [
+        (lambda i: [[i] * 3, [i] * 3] if i != 4 else [[i] * 2, [i] * 4], "a list of 2 values at dimension 1"),
+        (lambda i: [[i, i], [i, i], [i, i]], "a list of 3 values at dimension 0"),
+    ],
+    ids=["ragged", "transposed"],
+)  # fmt: skip
+def test_a_feature_of_two_dimensions_whose_inner_lists_break_its_shape_is_refused(
+    many_kinds, grid_of_row, fragment
+):
+    """Six values per frame, as ``[2, 3]`` declares, but not as two lists of three: flattened, the values
+    were read into the wrong places without a word."""
+    path = _replace_grid(many_kinds, grid_of_row)
+    with pytest.raises(
+        LeRobotFormatError,
+        match=re.escape(
+            f"{path}: column 'observation.grid' holds {fragment} of a frame; meta/info.json declares shape "
+            "[2, 3]"
+        ),
+    ):
+        _read_all(many_kinds, fields_subset=("obs/grid",))
+
+
+def test_a_feature_of_two_dimensions_in_fixed_size_lists_is_read(many_kinds):
+    """Fixed-size lists of fixed-size lists (another writer's choice) pass the per-dimension check."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = many_kinds / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    index = table.column("index").to_numpy()
+    values = np.stack([index, index + 1, index + 2, -index, -index, -index], 1).astype(np.float32)
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 3)
+    grid = pa.FixedSizeListArray.from_arrays(inner, 2)
+    position = table.schema.get_field_index("observation.grid")
+    pq.write_table(table.set_column(position, pa.field("observation.grid", grid.type), grid), path)
+    meta = read_dataset_meta(many_kinds)
+    for ep, read in zip(meta.episodes, _read_all(many_kinds, fields_subset=("obs/grid",))):
+        rows = slice(ep["dataset_from_index"], ep["dataset_to_index"])
+        np.testing.assert_array_equal(read.frames["obs/grid"], values[rows].reshape(-1, 2, 3))

@@ -572,6 +572,40 @@ def _check_even(column: Any, feature: Feature, path: Path) -> None:
             f"{path}: column {feature.key!r} holds {int(counts[frame])} values {where}; meta/info.json "
             f"declares shape {list(feature.shape)} ({per_frame} per frame)"
         )
+    _check_dimensions(column, feature, path)
+
+
+def _check_dimensions(column: Any, feature: Feature, path: Path) -> None:
+    """Raise unless a column of one list level per dimension (a ``[2, 3]`` feature as a list of 2 lists of
+    3 values per frame) holds lists of the declared length at every level: with the right total, lists of
+    3 and 3 shaped ``[3, 2]`` or ragged ones of 2 and 4 would be read as ``[2, 3]`` silently."""
+    import pyarrow as pa
+
+    shape = [int(n) for n in feature.shape]
+    depth, kind = 0, column.type
+    while pa.types.is_nested(kind):
+        depth, kind = depth + 1, kind.value_type
+    if depth != len(shape) or depth < 2 or len(column) == 0:
+        return  # one flat list per frame (the total was checked) or a scalar per frame
+    edges = np.arange(len(column) + 1) + column.offset  # the bounds of every list at this level
+    values = column
+    for dimension, size in enumerate(shape):
+        if pa.types.is_fixed_size_list(values.type):
+            lengths = np.full(len(edges) - 1, values.type.list_size)
+            child = (edges[0] * values.type.list_size, edges[-1] * values.type.list_size)
+        else:
+            offsets = values.offsets.to_numpy()[edges - values.offset]
+            lengths = np.diff(offsets)
+            child = (int(offsets[0]), int(offsets[-1]))
+        if not (lengths == size).all():
+            wrong = int(lengths[np.flatnonzero(lengths != size)[0]])
+            raise LeRobotFormatError(
+                f"{path}: column {feature.key!r} holds a list of {wrong} values at dimension {dimension} of "
+                f"a frame; meta/info.json declares shape {shape} ({size} at that dimension)"
+            )
+        values = values.values
+        if dimension < len(shape) - 1:
+            edges = np.arange(child[0], child[1] + 1) + values.offset
 
 
 def _per_frame(values: np.ndarray, frames: int, feature: Feature, path: Path) -> np.ndarray:
