@@ -272,3 +272,33 @@ def test_a_failed_engine_dropped_without_stop_is_collected_before_a_refusal(monk
         del engine
     finally:
         gc.enable()
+
+
+def test_a_batch_fits_up_to_this_machine_s_memory_and_the_error_names_the_largest_that_does(monkeypatch):
+    from simstream.sampling import gather
+
+    monkeypatch.setattr(gather, "physical_memory", lambda: 10 * 2**30)
+    gather.require_batch_fits(10, 2**30, "StreamArgs.batch_size=10")  # exactly the memory: fits
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "DemoConfig.batch_size=11 needs 11.0 GiB for one batch of contexts, more than this machine's "
+            "10.0 GiB of memory: it can be at most 10 here"
+        ),
+    ):
+        gather.require_batch_fits(11, 2**30, "DemoConfig.batch_size=11", batch="batch of contexts")
+    with pytest.raises(
+        ValueError, match=r"batch_size can be at most 5 here \(or copy fewer keys with keys=\)\.$"
+    ):
+        gather.require_batch_fits(
+            6, 2**31, "batch_size=6", limit="batch_size", hint=" (or copy fewer keys with keys=)."
+        )
+
+
+def test_frame_bytes_is_one_frame_of_every_key_the_storage_allocates():
+    layout = OnlineDataEngineCfg(source=ScriptedSpec(), buffer_size=4).validate()
+    for provenance in (False, True):
+        frames = 3 * layout.max_episode_steps + 1
+        total = TrajectoryStorage.shared_bytes(layout, 3, provenance)
+        assert total == frames * TrajectoryStorage.frame_bytes(layout, provenance)
+    assert TrajectoryStorage.frame_bytes(layout, True) == TrajectoryStorage.frame_bytes(layout, False) + 6 * 8

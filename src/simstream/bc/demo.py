@@ -155,7 +155,7 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     engine_cfg = engine_config(cfg)
     layout = engine_cfg.validate()
     check_shared_memory(engine_cfg, layout)
-    _check_batch_fits(cfg, layout)
+    _check_batch_fits(cfg, engine_cfg, layout)
     if cfg.dataset is not None:
         check_dataset_task(engine_cfg.source, cfg.task)
     if cfg.record is not None:
@@ -164,22 +164,19 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     return engine_cfg
 
 
-def _check_batch_fits(cfg: DemoConfig, layout: Any) -> None:
+def _check_batch_fits(cfg: DemoConfig, engine_cfg: Any, layout: Any) -> None:
     """One batch of contexts must fit this machine's memory (``sample_batch_with_context`` refuses it too,
     but only once the producers run and training has begun)."""
-    import math
+    from simstream.buffer.storage import TrajectoryStorage
+    from simstream.sampling.gather import require_batch_fits
 
-    from simstream.sampling.gather import physical_memory
-
-    frame = sum(math.prod(f.shape) * f.dtype.itemsize for f in layout.fields.values())
-    per_item = (cfg.history + cfg.horizon - 1) * max(frame, 1)
-    memory = physical_memory()
-    if cfg.batch_size * per_item > memory:
-        raise ValueError(
-            f"DemoConfig.batch_size={cfg.batch_size} needs {cfg.batch_size * per_item / 2**30:.1f} GiB for "
-            f"one batch of contexts, more than this machine's {memory / 2**30:.1f} GiB of memory: it can be "
-            f"at most {memory // per_item} here"
-        )
+    frame = TrajectoryStorage.frame_bytes(layout, engine_cfg.include_provenance)
+    require_batch_fits(
+        cfg.batch_size,
+        (cfg.history + cfg.horizon - 1) * frame,
+        f"DemoConfig.batch_size={cfg.batch_size}",
+        batch="batch of contexts",
+    )
 
 
 def _check_run_folder(cfg: DemoConfig) -> None:

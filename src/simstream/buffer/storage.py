@@ -81,8 +81,13 @@ class TrajectoryStorage:
     def shared_bytes(layout: SourceLayout, buffer_size: int, include_provenance: bool) -> int:
         """Bytes of shared memory the storage of this layout allocates (exact Python ints: no overflow)."""
         frames = buffer_size * layout.max_episode_steps + 1  # + the padding frame
+        return frames * TrajectoryStorage.frame_bytes(layout, include_provenance)
+
+    @staticmethod
+    def frame_bytes(layout: SourceLayout, include_provenance: bool) -> int:
+        """Bytes of one frame of every key, payload and metadata: what one frame of a batch holds."""
         specs = _key_specs(layout, include_provenance)
-        return frames * sum(math.prod(s.frame_shape) * s.dtype.itemsize for s in specs)
+        return sum(math.prod(s.frame_shape) * s.dtype.itemsize for s in specs)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -51,18 +51,14 @@ def _check_batch_fits(args: StreamArgs, cfg) -> None:
     """One batch must fit this machine's memory: ``sample_batch`` refuses it too, but only once the
     producers have started and filled the first generation."""
     from simstream.buffer.storage import TrajectoryStorage
-    from simstream.sampling.gather import physical_memory
+    from simstream.sampling.gather import require_batch_fits
 
-    layout = cfg.validate()
-    frames = layout.max_episode_steps + 1  # shared_bytes counts the padding frame too
-    frame = TrajectoryStorage.shared_bytes(layout, 1, cfg.include_provenance) // frames
-    per_item, memory = args.chunk_size * frame, physical_memory()
-    if args.batch_size * per_item > memory:
-        raise ValueError(
-            f"StreamArgs.batch_size={args.batch_size} with chunk_size={args.chunk_size} needs "
-            f"{args.batch_size * per_item / 2**30:.1f} GiB for one batch, more than this machine's "
-            f"{memory / 2**30:.1f} GiB of memory: it can be at most {memory // per_item} here"
-        )
+    frame = TrajectoryStorage.frame_bytes(cfg.validate(), cfg.include_provenance)
+    require_batch_fits(
+        args.batch_size,
+        args.chunk_size * frame,
+        f"StreamArgs.batch_size={args.batch_size} with chunk_size={args.chunk_size}",
+    )
 
 
 def run_stream(args: StreamArgs) -> dict[str, float]:

@@ -48,6 +48,27 @@ def physical_memory() -> int:
     return memory
 
 
+def require_batch_fits(
+    batch_size: int, item_bytes: int, subject: str, *, batch: str = "batch", limit: str = "it", hint: str = ""
+) -> None:
+    """Refuse ``batch_size`` items of ``item_bytes`` each that need more than :func:`physical_memory`:
+    such a batch would fail, or be OOM-killed, half-way through its copy.
+
+    Raises:
+        ValueError: ``"{subject} needs X GiB for one {batch}, more than this machine's Y GiB of memory:
+            {limit} can be at most N here{hint}"``.
+    """
+    memory = physical_memory()
+    item_bytes = max(1, item_bytes)
+    if batch_size * item_bytes <= memory:
+        return
+    raise ValueError(
+        f"{subject} needs {batch_size * item_bytes / 2**30:.1f} GiB for one {batch}, more than this "
+        f"machine's {memory / 2**30:.1f} GiB of memory: {limit} can be at most {memory // item_bytes} "
+        f"here{hint}"
+    )
+
+
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many tensors and storage handles share ``storage`` (torch's private use count)."""
     return torch._C._storage_Use_Count(storage._cdata)
@@ -302,12 +323,12 @@ class BatchGatherer:
         if n * length * self._all_frame_bytes <= memory:
             return
         per_item = length * sum(self._frame_bytes[i] for i in (self._every if columns is None else columns))
-        if n * per_item <= memory:
-            return
-        raise ValueError(
-            f"batch_size={n} with {length} frames per item needs {n * per_item / 2**30:.1f} GiB for one "
-            f"batch, more than this machine's {memory / 2**30:.1f} GiB of memory: batch_size can be at most "
-            f"{memory // per_item} here (or copy fewer keys with keys=)."
+        require_batch_fits(
+            n,
+            per_item,
+            f"batch_size={n} with {length} frames per item",
+            limit="batch_size",
+            hint=" (or copy fewer keys with keys=).",
         )
 
     def check_out(self, out: TensorDict, n: int, length: int, columns: tuple[int, ...] | None) -> None:
