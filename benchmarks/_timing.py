@@ -33,6 +33,28 @@ __all__ = [
 ]
 
 
+def main_of(run: Callable[[Any], int | None], args_type: type) -> None:
+    """Parse ``args_type``'s flags, run the benchmark and exit with its code. A Ctrl-C (or SIGTERM, handled
+    as one) ends it with one line and exit code 130 (143) once its engines have stopped, as the
+    ``simstream`` commands end; any other failure keeps its traceback (a benchmark is a developer's tool)."""
+    import sys
+    from pathlib import Path
+
+    import tyro
+
+    from simstream.cli._report import EXIT_INTERRUPTED, EXIT_TERMINATED, sigterm_as_ctrl_c
+
+    terminated: list[int] = []
+    try:
+        with sigterm_as_ctrl_c(terminated):
+            code = run(tyro.cli(args_type))
+    except KeyboardInterrupt:
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"\n{Path(sys.argv[0]).name}: {what}", file=sys.stderr)
+        sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+    sys.exit(code or 0)
+
+
 def set_single_thread() -> None:
     """One intra-op thread: samplers get their parallelism from processes (see BENCHMARKS.md)."""
     torch.set_num_threads(1)

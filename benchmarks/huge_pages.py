@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import tyro
 
-from _timing import Table, percentile, print_header, set_single_thread
+from _timing import Table, main_of, percentile, print_header, set_single_thread
 
 MADV_HUGEPAGE = 14
 STEPS, FLOATS, BATCH, CHUNK = 300, 92, 256, 32
@@ -147,4 +146,4 @@ def run(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(tyro.cli(Args)))
+    main_of(run, Args)

@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-import tyro
 from tensordict import TensorDict
 
 from _timing import (
     Rates,
     Table,
     check,
+    main_of,
     print_header,
     quick_preset,
     ratio,
@@ -194,4 +194,4 @@ def _print(args: Args, rates: Rates) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run(tyro.cli(Args)))
+    main_of(run, Args)

@@ -52,12 +52,12 @@ from functools import partial
 
 import numpy as np
 import torch
-import tyro
 
 from _timing import (
     Table,
     call_rate,
     check,
+    main_of,
     pin_process,
     print_header,
     process_cpu_seconds,
@@ -428,8 +428,8 @@ def sampling(args: Args) -> None:
         )  # fmt: skip
 
 
-def main() -> None:
-    args = tyro.cli(Args).effective()
+def main(args: Args) -> None:
+    args = args.effective()
     for per_call in args.windows_per_call:  # the ingest section's settings, checked before anything runs
         RayBackend(windows_per_call=per_call, calls_in_flight=args.calls_in_flight)
     set_single_thread()
@@ -472,4 +472,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_of(main, Args)

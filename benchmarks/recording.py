@@ -43,9 +43,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 
-from _timing import pin_process, process_cpu_seconds, quick_preset, require_positive
+from _timing import main_of, pin_process, process_cpu_seconds, quick_preset, require_positive
 
 
 @dataclass(frozen=True)
@@ -362,4 +361,4 @@ def run(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(tyro.cli(Args)))
+    main_of(run, Args)

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
 import torch
-import tyro
 
-from _timing import Table, print_header, require_gym_env, require_positive
+from _timing import Table, main_of, print_header, require_gym_env, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.config import Mode
 
@@ -116,4 +115,4 @@ def run(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(tyro.cli(Args)))
+    main_of(run, Args)

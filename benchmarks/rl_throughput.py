@@ -28,9 +28,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import numpy as np
 import torch
-import tyro
 
-from _timing import Table, print_header, ratio, require_gym_env, require_positive
+from _timing import Table, main_of, print_header, ratio, require_gym_env, require_positive
 from simstream.rl import APPOConfig, APPORunner
 from simstream.rl.collector import describe_env
 from simstream.rl.learner import APPOLearner
@@ -176,4 +175,4 @@ def run(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(tyro.cli(Args)))
+    main_of(run, Args)

@@ -498,4 +498,6 @@ def main(args: Args) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.exit(child_main(tyro.cli(ChildArgs, args=sys.argv[2:])))
-    sys.exit(main(tyro.cli(Args)))
+    from _timing import main_of
+
+    main_of(main, Args)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
-import tyro
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from _timing import (
@@ -35,6 +34,7 @@ from _timing import (
     check,
     interleaved_rates,
     latency_ms,
+    main_of,
     percentile,
     print_header,
     process_cpu_seconds,
@@ -683,4 +683,4 @@ def run(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(tyro.cli(Args)))
+    main_of(run, Args)

@@ -17,7 +17,7 @@ import torch
 from simstream.bc.report import PLOTS
 from simstream.cli.main import main as simstream
 from simstream.engine.sizing import free_shared_bytes
-from tests.support.processes import wait_for_exit
+from tests.support.processes import descendants, wait_for_exit
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -256,23 +256,6 @@ def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys, monk
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C
-def _descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid``, from ``/proc/<pid>/task/*/children``."""
-    found, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
-
 _TRAINING_STEPS = re.compile(rb"training:[^\r\n]*?\| *(\d+)/100000")
 
 
@@ -316,7 +299,7 @@ def test_ctrl_c_stops_the_demo_and_leaves_nothing_running(tmp_path):
         assert started.wait(120), f"the demo never said 'training started': {lines}"
         # Ctrl-C lands mid-training, while producers are refilling the buffer
         assert training.wait(120), f"no training progress reported: {bytes(errors[-2000:])!r}"
-        children = _descendants(process.pid)
+        children = descendants(process.pid)
         assert children, "the demo should run producer processes"
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=60)
@@ -347,7 +330,7 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path):
         for line in process.stdout:
             if line.startswith(b"first generation"):
                 break
-        children = _descendants(process.pid)
+        children = descendants(process.pid)
         assert children, "stream should run producer processes"
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=60)

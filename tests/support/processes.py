@@ -6,6 +6,7 @@ import os
 import select
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 
 def wait_for_exit(pids: Iterable[int], timeout_s: float, what: str = "processes") -> None:
@@ -35,3 +36,20 @@ def wait_for_exit(pids: Iterable[int], timeout_s: float, what: str = "processes"
     finally:
         for fd in opened:
             os.close(fd)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``, from ``/proc/<pid>/task/*/children``."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found

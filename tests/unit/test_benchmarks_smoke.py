@@ -7,8 +7,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 from simstream import Episode
 from simstream.sampling.gather import ArenaPool, empty_batch
 from tests.support.harness import Harness
+from tests.support.processes import descendants, wait_for_exit
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -284,3 +288,42 @@ def test_flags_given_beside_quick_win_over_its_preset():
     quick = timing.quick_preset(Args(seconds=2.0, rounds=4), seconds=0.03, rounds=1, buffer_size=32)
     assert quick == Args(seconds=2.0, rounds=4, buffer_size=32)
     assert timing.quick_preset(Args(), seconds=0.03, rounds=1) == Args(seconds=0.03, rounds=1)
+
+
+@pytest.mark.parametrize(
+    ("signal_number", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+)
+def test_a_benchmark_stopped_with_ctrl_c_or_sigterm_says_so_in_one_line_and_leaves_nothing_running(
+    signal_number, code, said
+):
+    """It printed a traceback and an exit code of 1 (Ctrl-C) or died without stopping its producers
+    (SIGTERM); it now ends as the simstream commands do, after its engines stopped."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job ignores Ctrl-C
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / "production.py"), "--workers", "2", "--rounds", "50",
+             "--seconds", "5"],
+            cwd=ROOT, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert process.stdout.readline().startswith("## simstream production benchmark")
+        deadline = time.monotonic() + 120
+        while len(producers := descendants(process.pid)) < 2:  # both producer processes run
+            assert time.monotonic() < deadline and process.poll() is None, (
+                "the benchmark's producers never started"
+            )
+            threading.Event().wait(0.05)
+        process.send_signal(signal_number)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+    assert process.returncode == code, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == f"production.py: {said}"
+    assert "Traceback" not in stderr
+    wait_for_exit(producers, 15, "producer processes left running")
