@@ -254,7 +254,7 @@ def train_policy(
     threads = _TrainerThreads(engine, cfg.num_threads, cfg.idle_threads)
     began, ema, next_stream = time.monotonic(), math.nan, time.monotonic() + _STREAM_EVERY_S
     budget_s = max(deadline - began, 1e-3)
-    rates = {"samples_per_s": 0.0, "fresh_episodes_per_s": 0.0}
+    rates: dict[str, float] | None = None  # none measured until the first window ends
     bar = tqdm(total=cfg.steps, desc="training", unit="step", dynamic_ncols=True)
     try:
         for step in range(1, cfg.steps + 1):
@@ -295,12 +295,13 @@ def train_policy(
                         writer.add_scalar(f"stream/{key}", record[key], step)
             bar.update(1)
             if step % 10 == 0:
-                bar.set_postfix(
-                    loss=f"{ema:.4f}",
-                    samples_s=f"{rates['samples_per_s']:.0f}",
-                    fresh_eps_s=f"{rates['fresh_episodes_per_s']:.1f}",
-                    refresh=False,
-                )
+                measured = {}
+                if rates is not None:  # 0 before the first window would read as a stalled stream
+                    measured = {
+                        "samples_s": f"{rates['samples_per_s']:.0f}",
+                        "fresh_eps_s": f"{rates['fresh_episodes_per_s']:.1f}",
+                    }
+                bar.set_postfix(loss=f"{ema:.4f}", **measured, refresh=False)
             if cfg.eval_episodes_during and (step % cfg.eval_every == 0 or step == cfg.steps):
                 _check(evaluated, embedding, cfg, log, step, time.monotonic() - began, writer)
             if time.monotonic() >= deadline and step < cfg.steps:
