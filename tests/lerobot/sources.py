@@ -44,6 +44,10 @@ class PatternSpec:
     """Every ``empty_every``-th episode of a producer has no frame (length 0); 0: none."""
     truncated_every: int = 0
     """Every ``truncated_every``-th episode of a producer ends truncated, not terminated; 0: none."""
+    fail_after: int = 0
+    """A producer's rollouts after its first ``fail_after`` raise ``RuntimeError``; 0: none does."""
+    close_fails: bool = False
+    """``close()`` raises ``OSError`` (a source that could not flush what it holds)."""
 
     def fields(self) -> dict[str, Field]:
         fields = {"obs/state": Field((4,)), "actions": Field((2,)), "rewards": Field(())}
@@ -60,6 +64,8 @@ class PatternSource:
         self.spec, self.worker_index, self.count = spec, worker_index, 0
 
     def rollout(self, rows, *, attempt: int, should_stop) -> list[Episode] | None:
+        if self.spec.fail_after and self.count >= self.spec.fail_after * self.spec.num_envs:
+            raise RuntimeError(f"pattern source failed after {self.count} episodes")
         episodes = []
         for row in range(self.spec.num_envs):
             tag = 1000 * self.worker_index + self.count
@@ -84,7 +90,8 @@ class PatternSource:
         return episodes
 
     def close(self) -> None:
-        pass
+        if self.spec.close_fails:
+            raise OSError("the pattern source could not flush while closing")
 
 
 def pattern_record(tag: int, image_size: int | None = 32):

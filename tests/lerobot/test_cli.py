@@ -7,7 +7,7 @@ import json
 import pytest
 
 from simstream.cli.main import main as simstream
-from simstream.lerobot import LeRobotSpec
+from simstream.lerobot import LeRobotRecorder, LeRobotSpec
 from simstream.lerobot.dataset import read_dataset_meta
 
 pytestmark = pytest.mark.timeout(240)
@@ -215,3 +215,50 @@ def test_a_failure_while_recording_is_a_failure_not_a_bad_option(tmp_path, monke
     assert "simstream record: ValueError: the disk said no" in capsys.readouterr().err
     assert simstream(["record", "--out", str(tmp_path / "ds2"), "--episodes", "0"]) == 2  # still a bad option
     assert "RecordArgs.episodes must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("spec", "episodes", "message", "kept"),
+    [
+        ({"fail_after": 6}, 50, "RuntimeError: pattern source failed after 6 episodes", 6),
+        ({"close_fails": True}, 4, "OSError: the pattern source could not flush while closing", 4),
+    ],
+    ids=["producer-raises", "source-close-raises"],
+)
+def test_a_failure_while_recording_still_closes_the_recorder_with_every_episode_published(
+    tmp_path, monkeypatch, capsys, spec, episodes, message, kept
+):
+    """A stop() that raised (a source's close() failed) skipped the recorder's close(): its threads
+    (daemons) were left running, and a process that then exited lost the episodes they had not flushed."""
+    import threading
+
+    import simstream.tasks as tasks
+
+    from .sources import PatternSpec
+
+    monkeypatch.setattr(tasks, "make_source", lambda *args, **kwargs: PatternSpec(**spec))
+    closed, close = [], LeRobotRecorder.close
+
+    def watched_close(self, *args, **kwargs) -> None:
+        closed.append(self)
+        close(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeRobotRecorder, "close", watched_close)
+    out = tmp_path / "ds"
+    argv = [
+        "record",
+        "--out",
+        str(out),
+        "--episodes",
+        str(episodes),
+        "--num-workers",
+        "1",
+        "--buffer-size",
+        "8",
+    ]
+    assert simstream(argv) == 1
+    assert f"simstream record: {message}" in capsys.readouterr().err
+    assert len(closed) == 1  # closed, not left writing in daemon threads that die with the process
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("lerobot-")]
+    assert len(read_dataset_meta(out).episodes) == kept  # every episode published (8 rows: none overwritten)
+    assert len(LeRobotSpec(out).build(0, 0).reader.read(kept - 1).frames["obs/state"]) == 12 + (kept - 1) % 7

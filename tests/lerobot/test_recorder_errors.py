@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +78,78 @@ def test_a_mix_of_sources_with_different_rates_needs_an_explicit_fps(tmp_path):
     ):
         LeRobotRecorder(engine, tmp_path / "ds")
     LeRobotRecorder(engine, tmp_path / "ds", fps=20).close()
+
+
+_NEVER_CLOSED = """
+import sys
+from simstream import OnlineDataEngine, OnlineDataEngineCfg
+from simstream.lerobot import LeRobotRecorder
+from tests.lerobot.sources import PatternSpec
+
+if __name__ == "__main__":
+    engine = OnlineDataEngine(
+        OnlineDataEngineCfg(source=PatternSpec(), buffer_size=8, num_workers=1, refill_policy="manual")
+    )
+    recorder = LeRobotRecorder(engine, sys.argv[1], video=False).start()
+    engine.start()  # publishes its first generation: 8 episodes
+    print("published", engine.get_stats()["successful_episodes"], flush=True)
+    if sys.argv[2] == "crash":
+        raise RuntimeError("the script crashed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "crash"])
+def test_a_script_that_never_closes_its_recorder_still_commits_what_it_recorded(tmp_path, ending):
+    """The recorder's threads are daemons: at exit, episodes copied but not flushed (flush_every=32,
+    every 2 s) were lost without a word. An exit hook stops the engine, then closes the recorder."""
+    import subprocess
+    import sys
+
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    script = tmp_path / "never_closed.py"
+    script.write_text(_NEVER_CLOSED)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("PYOPENGL_PLATFORM", None)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ds"), ending],
+        capture_output=True, text=True, timeout=120, env=env, cwd=root,
+    )  # fmt: skip
+    assert "published 8" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == (1 if ending == "crash" else 0), done.stderr[-3000:]
+    assert ("RuntimeError: the script crashed" in done.stderr) == (ending == "crash")
+    assert "at exit failed" not in done.stderr
+    assert len(read_dataset_meta(tmp_path / "ds").episodes) == 8
+
+
+def test_episodes_published_just_before_the_engine_fails_are_still_recorded(tmp_path, monkeypatch):
+    """The copy thread read the engine's failure after a scan that found nothing, then returned: episodes
+    published between that scan and the failure were never copied. Here the first scan is made to miss
+    the first generation's episodes, as one that ran just before they were published would, and the
+    engine fails right after it."""
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    engine = OnlineDataEngine(
+        OnlineDataEngineCfg(source=PatternSpec(), buffer_size=4, num_workers=1, refill_policy="manual")
+    )
+    recorder = LeRobotRecorder(engine, tmp_path / "ds", video=False)
+    scan, scans = recorder._copy_published, []
+
+    def scan_that_missed_them() -> int:
+        scans.append(len(scans))
+        if len(scans) == 1:
+            engine._shared.channel.publish(RuntimeError("a producer failed"), "producer-0")
+            return 0
+        return scan()
+
+    monkeypatch.setattr(recorder, "_copy_published", scan_that_missed_them)
+    engine.start()  # the first generation: 4 episodes, published before the recorder looks
+    recorder.start()
+    recorder._thread.join(30)
+    assert not recorder._thread.is_alive()  # it ended on the failure
+    with pytest.raises(RuntimeError, match="a producer failed"):
+        engine.stop()
+    recorder.close()
+    assert len(scans) >= 2
+    assert len(read_dataset_meta(tmp_path / "ds").episodes) == 4

@@ -168,14 +168,19 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         raise
     finally:
         bar.close()
-        engine.stop()
-        recorder.close()
-        if interrupted:  # what the interruption kept, and where
-            print(
-                f"\nsimstream record: {recorder.episodes_flushed} episodes of this run were flushed; the "
-                f"dataset {out.resolve()} holds {recorder.writer.episodes_flushed} episodes, LeRobot v3.0",
-                file=sys.stderr,
-            )
+        try:
+            engine.stop()  # raises a producer's failure, after stopping
+        finally:
+            try:
+                recorder.close()  # commits every episode published before the stop, whatever stop() raised
+            finally:
+                if interrupted:  # what the interruption kept, and where
+                    print(
+                        f"\nsimstream record: {recorder.episodes_flushed} episodes of this run were flushed; "
+                        f"the dataset {out.resolve()} holds {recorder.writer.episodes_flushed} episodes, "
+                        "LeRobot v3.0",
+                        file=sys.stderr,
+                    )
     elapsed = time.monotonic() - began
     return {
         "episodes": recorder.episodes_flushed,

@@ -22,12 +22,14 @@ falls behind for want of CPU; on 2 vCPUs, recording a camera at full production 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,34 @@ from .writer import DatasetWriter, EpisodeRecord
 __all__ = ["LeRobotRecorder"]
 
 logger = logging.getLogger(__name__)
+
+_open_recorders: weakref.WeakSet = weakref.WeakSet()
+"""Recorders this process started and has not closed yet."""
+
+
+@atexit.register
+def _close_recorders_at_exit() -> None:
+    """A script that ends (or crashes) without ``close()``: its recorder threads are daemons, so the
+    episodes copied but not yet flushed would be lost without a word. Stop the recorder's engine first (as
+    its own exit hook would: every episode it published is then copied), then close the recorder."""
+    for recorder in list(_open_recorders):
+        if recorder._pid != os.getpid():
+            continue  # a forked child's copy: the parent owns the threads and the dataset
+        engine = recorder.engine
+        try:
+            try:
+                if engine._is_owner() and engine._supervisor is not None:
+                    engine.stop()
+            finally:
+                recorder.close()
+        except BaseException as error:  # the script's own traceback is already printed; add this one
+            print(
+                f"simstream: closing LeRobotRecorder of {recorder.root} at exit failed: "
+                f"{type(error).__name__}: {error}",
+                file=sys.stderr,
+            )
+
+
 _POLL_S = 0.01
 """Slice of the copy thread's waits for the writer thread's queue."""
 _IDLE_WAIT_S = 0.1
@@ -213,6 +243,8 @@ class LeRobotRecorder:
         self._waited_base = self._shared.record_gate.total_waited_s()
         self._shared.record_gate.attach(self.on_full)
         self._attached = True
+        self._pid = os.getpid()
+        _open_recorders.add(self)
         self._writer_thread = threading.Thread(target=self._write, name="lerobot-writer", daemon=True)
         self._writer_thread.start()
         self._thread = threading.Thread(target=self._run, name="lerobot-recorder", daemon=True)
@@ -230,6 +262,7 @@ class LeRobotRecorder:
         Producers stop waiting for the recorder from here on. Raises ``TimeoutError`` when the thread does
         not finish within ``timeout_s`` (it keeps running as a daemon; what it flushed stays valid).
         """
+        _open_recorders.discard(self)  # closed, or tried once: the exit hook does not wait for it again
         if self._thread is not None:
             deadline = time.monotonic() + timeout_s
             self._stop.set()
@@ -258,7 +291,11 @@ class LeRobotRecorder:
         try:
             last_handoff = time.monotonic()
             while True:
-                stopping = self._stop.is_set()  # read before the scan: a final pass sees everything published
+                # both read before the scan: a final pass sees everything published before the stop or
+                # the engine's failure (read after an empty scan, the failure could follow a publication
+                # that scan missed, and that episode would never be copied)
+                stopping = self._stop.is_set()
+                failed = self._shared.channel.is_set()
                 copied = 0 if self.done else self._copy_published()
                 if self.done:
                     self._detach()  # producers run freely past the requested count
@@ -270,7 +307,7 @@ class LeRobotRecorder:
                 if stopping or self._error is not None:
                     return
                 if not copied:
-                    if self._shared.channel.error() is not None:  # the engine failed: keep what was copied
+                    if failed:  # the engine failed, and nothing more was published: keep what was copied
                         self._hand_off()
                         return
                     self._shared.record_gate.wait_for_demand(_IDLE_WAIT_S)
