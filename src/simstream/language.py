@@ -117,7 +117,13 @@ class SharedLanguageRegistry:
         if known is not None:
             return known
         line = json.dumps([kind, description], ensure_ascii=False, separators=(",", ":")) + "\n"
-        encoded = line.encode("utf-8")
+        try:
+            encoded = line.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"language description must be valid Unicode text (UTF-8 encodable), got "
+                f"{description!r:.80} ({error.reason})"
+            ) from None
         with self._append_lock.held(check), self._cache_lock:
             self._refresh_cache()
             known = self._indices[kind].get(description)

@@ -136,6 +136,18 @@ def _exact_int(value: object) -> bool:
     return type(value) is int
 
 
+def _text(value: object) -> bool:
+    """A report's text: a ``str`` that UTF-8 can encode (a lone surrogate, e.g. from bytes decoded with
+    ``surrogateescape``, cannot be stored in the language registry)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _flag(value: object) -> bool:
     """A report's flag: ``bool``, or NumPy's (what ``x > y`` of NumPy numbers gives)."""
     return isinstance(value, (bool, np.bool_))
@@ -179,8 +191,11 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
         length = episode.length
         if not _exact_int(length) or not 0 <= length <= capacity:
             raise ValueError(f"Episode.length of row {row} must be an int in [0, {capacity}], got {length!r}")
-        if episode.instruction is not None and not isinstance(episode.instruction, str):
-            raise ValueError(f"Episode.instruction of row {row} must be str or None")
+        if episode.instruction is not None and not _text(episode.instruction):
+            raise ValueError(
+                f"Episode.instruction of row {row} must be str (valid Unicode: UTF-8 encodable) or None, "
+                f"got {episode.instruction!r:.80}"
+            )
         for name in ("success", "terminated", "truncated"):
             if not _flag(getattr(episode, name)):
                 raise ValueError(
@@ -210,8 +225,11 @@ def validate_episodes(episodes: object, num_rows: int, capacity: int) -> list[Ep
                     f"Segment [{start}, {end}) of row {row} is outside the row: segments must satisfy "
                     f"0 <= start <= end <= length={length}"
                 )
-            if segment.instruction is not None and not isinstance(segment.instruction, str):
-                raise ValueError(f"Segment.instruction of row {row} must be str or None")
+            if segment.instruction is not None and not _text(segment.instruction):
+                raise ValueError(
+                    f"Segment.instruction of row {row} must be str (valid Unicode: UTF-8 encodable) or "
+                    f"None, got {segment.instruction!r:.80} (segment {k})"
+                )
             if start == end:
                 continue  # empty: covers no frame, so it can neither overlap nor break the order
             if start < previous_end:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 
 import pytest
 import torch
@@ -85,6 +86,18 @@ def test_unknown_kind(registry, kind):
 def test_blank_or_non_text_description(registry, description):
     with pytest.raises(ValueError, match=r"^language description must be nonempty text$"):
         registry.intern(description)
+    assert registry.used_bytes == 0
+
+
+def test_text_utf8_cannot_encode_is_refused_naming_it_and_nothing_is_written(registry):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "language description must be valid Unicode text (UTF-8 encodable), got 'bad \\udc80' "
+            "(surrogates not allowed)"
+        ),
+    ):
+        registry.intern("bad \udc80")
     assert registry.used_bytes == 0
 
 

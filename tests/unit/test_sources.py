@@ -65,6 +65,18 @@ from simstream.sources import validate_episodes
             [Episode(2, segments=[Segment(0, 2, accepted="no")]), Episode(1)],
             "Segment.accepted of row 0 must be a bool, got 'no'",
         ),
+        (
+            [Episode(2), Episode(1, instruction=b"stack".decode("utf-8", "surrogateescape") + "\udc80")],
+            re.escape(
+                "Episode.instruction of row 1 must be str (valid Unicode: UTF-8 encodable) or None, got "
+            ),
+        ),
+        ([Episode(2, instruction=3), Episode(1)], "Episode.instruction of row 0 must be str .* got 3"),
+        (
+            [Episode(2, segments=[Segment(0, 1), Segment(1, 2, "bad \udc80")]), Episode(1)],
+            r"Segment.instruction of row 0 must be str \(valid Unicode: UTF-8 encodable\) or None, got "
+            r"'bad \\udc80' \(segment 1\)",
+        ),
     ],
 )
 def test_broken_reports_name_the_row_and_rule(episodes, message):
