@@ -302,6 +302,23 @@ def test_an_actor_runs_at_most_calls_in_flight_windows_ahead_of_the_ingest(clust
         engine.check_health()
 
 
+def test_a_failed_publication_still_lets_stop_close_a_source_held_by_back_pressure(cluster):
+    """A window with an unwritten frame fails the ingest while its actor waits, items ahead, for room on
+    its stream. The failure's traceback (kept on the error channel) kept the stream alive, so the actor
+    never saw the stop, its close() never ran, and stop() killed it with a durability note. The ingest
+    now takes the waiting items at shutdown."""
+    backend = RayBackend(resources={"sim": 1}, calls_in_flight=2, max_restarts=0, publish_delay_s=0)
+    spec = ScriptedSpec(fault="unwritten", fault_after=2, close_s=0.2)  # close() runs for a moment
+    engine = OnlineDataEngine(ray_cfg(spec, backend, num_workers=1, buffer_size=40, shutdown_timeout=5.0))
+    with pytest.raises(ValueError, match=r"buffer row 5 \(row 1 of the rollout\)") as failure:
+        engine.start()
+    stop_quietly(engine)
+    assert engine._shared.channel.notes() == []  # no "did not close its source in time and was killed"
+    assert "recorder durability could not be confirmed" not in "".join(
+        getattr(failure.value, "__notes__", [])
+    )
+
+
 def test_stats_show_no_live_actor_while_a_lost_one_is_replaced(cluster):
     backend = RayBackend(resources={"sim": 1}, restart_delay_s=3600.0, max_restarts=1)
     with OnlineDataEngine(ray_cfg(backend=backend, num_workers=1, buffer_size=2)) as engine:

@@ -325,19 +325,25 @@ class RayProducers:
             logger.debug("ray.kill of %s failed: %s", producer.label, error)
 
     def _close_actors(self, deadline: float, report: ShutdownReport) -> None:
-        refs = {}
+        refs, streams = {}, []
         for producer in self._producers:
             built = producer.build_ref is None or bool(ray.wait([producer.build_ref], timeout=0)[0])
             if producer.actor is not None and built:  # built, whether or not its result was received
-                # stop ends the rollout in progress; dropping the streams releases one that waits for
-                # room (back-pressure), so it returns, and close, queued behind it, closes the source
-                # in the thread that built it
+                # stop ends the rollout in progress and makes every later window return at once; close,
+                # queued behind the streams, then closes the source in the thread that built it
                 producer.actor.stop.options(concurrency_group="control").remote()
+                streams += [stream.generator for stream in producer.calls]
                 producer.calls.clear()
                 refs[producer.actor.close.remote()] = producer
         pending = list(refs)
         while pending and time.monotonic() < deadline:
+            # a stream waiting for room (Ray's back-pressure) never sees the stop: take its items, so
+            # that it goes on, finds the stop and returns. Dropping the generators would release it
+            # too, but only once nothing refers to them any more, and a failure's traceback (kept on
+            # the error channel) can keep the frames that do alive
+            streams = _drain(streams)
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_SLICE_S)
+        streams.clear()
         for ref, producer in refs.items():
             if ref in pending:
                 report.forced = True
@@ -675,6 +681,22 @@ class RayProducers:
         )
         self._shared.channel.publish(error, producer.label)
         raise Closing
+
+
+def _drain(streams: list) -> list:
+    """Take (and drop) every item that is ready in ``streams``; returns the streams not ended yet."""
+    if not streams:
+        return streams
+    ready, _ = ray.wait(streams, num_returns=len(streams), timeout=0)
+    ended = []
+    for stream in ready:
+        try:
+            next(stream)
+        except StopIteration:
+            ended.append(stream)
+        except Exception:  # its actor is gone: nothing more to release
+            ended.append(stream)
+    return [stream for stream in streams if not any(stream is done for done in ended)]
 
 
 def _original(error: RayTaskError) -> BaseException:
