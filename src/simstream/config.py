@@ -117,8 +117,9 @@ class OnlineDataEngineCfg:
     Ray backend, the sources' ``close()`` gets this long and the ingest process 5 s more to leave Ray)."""
     sample_wait_timeout: float = 60.0
     """Seconds a ``sample_batch`` that finds no eligible window waits while producers are rewriting rows
-    that may hold one, in ``(0, 1e6]``; it checks the producers before every retry and gives up at once
-    when no rewrite can help. Raise it for sources whose rollout of one window takes longer."""
+    that may hold one, or a requested refill is about to, in ``(0, 1e6]``; it checks the producers before
+    every retry and gives up at once when no rewrite, under way or requested, can help. Raise it for
+    sources whose rollout of one window takes longer."""
     num_workers: int = 1
     """Producer processes, in ``[1, 1024]`` (Ray actors: ``[1, 4096]``); each owns a disjoint range of rows
     and writes in parallel."""

@@ -116,3 +116,52 @@ def test_rows_that_stay_claimed_end_the_wait_at_the_bound():
 def test_sample_wait_timeout_is_checked_like_the_other_timeouts(value, message):
     with pytest.raises(ValueError, match=message):
         OnlineDataEngineCfg(source=ScriptedSpec(), sample_wait_timeout=value).validate()
+
+
+def test_a_refill_asked_for_but_not_begun_is_waited_for_and_serves_the_request():
+    """Every row published and unchanged, nothing eligible: it gave up at once even when a refill was
+    asked for that no producer had claimed a row of yet, so a DataUnavailableError came just before the
+    data. While ``rewrite_pending()`` holds, the request waits, and the rows published meanwhile serve it;
+    once nothing is pending it gives up at once again."""
+    from simstream import Episode, Segment
+    from simstream.errors import DataUnavailableError as Unavailable
+    from tests.support.harness import Harness
+
+    harness = Harness(rows=2, steps=16)
+    for row in range(2):
+        harness.publish(row, Episode(8))  # one segment each: no boundary window
+    looks: list[int] = []
+
+    def pending() -> bool:  # by the third look the producer has rewritten row 1, its generation not done
+        looks.append(len(looks))
+        if len(looks) == 3:
+            harness.publish(1, Episode(8, segments=[Segment(0, 4, "reach"), Segment(4, 8, "place")]))
+        return True
+
+    batch = harness.sampler.sample_chunks(2, 2, "boundary", None, wait_s=60.0, rewrite_pending=pending)
+    assert len(looks) == 3
+    assert batch["obs"][:, :, 0].eq(1.0).all()  # from the rewritten row
+    assert batch["segment_id"][:, 0].ne(batch["segment_id"][:, 1]).all()  # across its boundary
+    with pytest.raises(Unavailable, match="satisfies sampling_mode='segment' and chunk_size=9"):
+        # nothing pending: at once, whatever the bound (the test's timeout is far below it)
+        harness.sampler.sample_chunks(1, 9, "segment", None, wait_s=1e6, rewrite_pending=lambda: False)
+
+
+def test_a_sample_right_after_request_refill_waits_for_the_generation_it_names():
+    """The engine's ``rewrite_pending``: a generation requested and not complete. Asking for its episodes
+    at once waits for them (it raised DataUnavailableError when no row was claimed yet)."""
+    cfg = make_cfg(
+        ScriptedSpec(num_envs=2, rollout_s=0.05),
+        buffer_size=4,
+        refill_policy="manual",
+        include_provenance=True,
+        sample_wait_timeout=60.0,
+    )
+    with OnlineDataEngine(cfg) as engine:
+        for _ in range(3):
+            generation = engine.request_refill()
+            batch = engine.sample_batch_with_context(4, 2, 2, generations=(generation,))
+            anchors = batch["ods_generation"][:, 1]  # the anchor frame (history_length=2)
+            assert anchors.eq(generation).all()
+            engine.wait_for_generation(generation, timeout=60)
+        engine.check_health()

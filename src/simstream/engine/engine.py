@@ -235,6 +235,7 @@ class OnlineDataEngine(EngineLifecycle):
                 check_failed=self._raise_if_failed,
                 check_ready=partial(self._check_ready, "sample_batch"),
                 wait_s=self.cfg.sample_wait_timeout,
+                rewrite_pending=self._refill_pending,
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -311,6 +312,7 @@ class OnlineDataEngine(EngineLifecycle):
                 keys=keys,
                 check_ready=partial(self._check_ready, "sample_batch"),
                 wait_s=self.cfg.sample_wait_timeout,
+                rewrite_pending=self._refill_pending,
             )
         except (DataUnavailableError, DataBudgetExhaustedError):
             self._raise_if_failed()
@@ -331,6 +333,12 @@ class OnlineDataEngine(EngineLifecycle):
             "task": registry.resolve(batch.get("task_index"), kind="task"),
             "subtask": registry.resolve(batch.get("subtask_index"), kind="subtask"),
         }
+
+    def _refill_pending(self) -> bool:
+        """A generation is requested that not every producer has finished: rows are about to be rewritten
+        (a sample that finds nothing eligible waits for them, within ``sample_wait_timeout``)."""
+        progress = self._shared.progress
+        return progress.requested_generation > progress.completed_generation
 
     def _check_ready(self, operation: str) -> None:
         state = self.state  # read before the channel: a failure published in between is raised as itself

@@ -12,7 +12,8 @@ serve it may be claimed by a producer (odd seqlock version) that is about to pub
 is tried again, with a backoff of 0.2 ms doubling to 5 ms, for up to ``wait_s`` seconds, and ``check_ready``
 (the engine's failure, state and liveness checks) runs before every retry, so a producer's published error
 always wins over the wait. It gives up at once when every row has been seen published and unchanged
-through a whole try that still found nothing: no rewrite under way can help then.
+through a whole try that still found nothing, and ``rewrite_pending`` (the engine: a refill is requested
+and not complete) says no rewrite is about to start: no rewrite under way or asked for can help then.
 """
 
 from __future__ import annotations
@@ -128,12 +129,14 @@ class WindowSampler:
         check_failed: Callable[[], None] | None = None,
         check_ready: Callable[[], None] | None = None,
         wait_s: float = 0.0,
+        rewrite_pending: Callable[[], bool] | None = None,
     ) -> TensorDict:
         """``batch_size`` windows of ``chunk_size`` valid frames of the keys named by ``keys`` (all: None).
 
         ``keys`` is checked (:func:`~simstream.sampling.keys.select_keys`, plus ``valid``) before anything
         is drawn or copied. With nothing eligible, retries for up to ``wait_s`` seconds while rows are
-        being written (``check_ready`` before each retry).
+        being written, or ``rewrite_pending()`` says they are about to be (``check_ready`` before each
+        retry).
         """
         columns = self._columns(keys, ())
         if out is None:
@@ -148,7 +151,7 @@ class WindowSampler:
             f"sampling_mode={mode!r} and chunk_size={chunk_size}."
         )
         request = _Request(batch_size, chunk_size, mode, generator, None, frames, unavailable, columns)
-        return self._sample(request, out, check_failed, check_ready, wait_s)
+        return self._sample(request, out, check_failed, check_ready, wait_s, rewrite_pending)
 
     def sample_contexts(
         self,
@@ -163,10 +166,12 @@ class WindowSampler:
         keys: object = None,
         check_ready: Callable[[], None] | None = None,
         wait_s: float = 0.0,
+        rewrite_pending: Callable[[], bool] | None = None,
     ) -> TensorDict:
         """Contexts ``[batch, H + F - 1]`` around uniformly drawn anchors at position ``H - 1``.
 
-        ``keys`` as in :meth:`sample_chunks`; ``loss_mask`` is always added (and may be named).
+        ``keys``, the waits and ``rewrite_pending`` as in :meth:`sample_chunks`; ``loss_mask`` is always
+        added (and may be named).
         """
         columns = self._columns(keys, ("loss_mask",))
         self.gatherer.check_fits(batch_size, history_length + prediction_horizon - 1, columns)
@@ -186,7 +191,7 @@ class WindowSampler:
             f"prediction_horizon={prediction_horizon}{among})."
         )
         request = _Request(batch_size, 1, mode, generator, wanted, frames, unavailable, columns)
-        batch = self._sample(request, None, check_failed, check_ready, wait_s)
+        batch = self._sample(request, None, check_failed, check_ready, wait_s, rewrite_pending)
         batch.set("loss_mask", batch.get("valid") & torch.from_numpy(positions >= 0))
         return batch
 
@@ -240,6 +245,7 @@ class WindowSampler:
         check_failed: Callable[[], None] | None,
         check_ready: Callable[[], None] | None,
         wait_s: float,
+        rewrite_pending: Callable[[], bool] | None = None,
     ) -> TensorDict:
         if out is not None:  # refused before anything is drawn: the caller's generator stays where it was
             self.gatherer.check_out(out, request.batch_size, request.chunk, request.columns)
@@ -255,7 +261,8 @@ class WindowSampler:
                     return self._try(request, out, check_failed, lock_wait_s)
                 except DataUnavailableError as error:
                     unavailable = error
-                if retries.hopeless():
+                # rows published and unchanged cannot serve it; a refill asked for will rewrite them
+                if retries.hopeless() and not (rewrite_pending is not None and rewrite_pending()):
                     break
             raise unavailable
         finally:
