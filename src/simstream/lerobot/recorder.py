@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,18 +59,17 @@ def _close_recorders_at_exit() -> None:
         if recorder._pid != os.getpid():
             continue  # a forked child's copy: the parent owns the threads and the dataset
         engine = recorder.engine
-        try:
-            try:
-                if engine._is_owner() and engine._supervisor is not None:
-                    engine.stop()
-            finally:
-                recorder.close()
-        except BaseException as error:  # the script's own traceback is already printed; add this one
-            print(
-                f"simstream: closing LeRobotRecorder of {recorder.root} at exit failed: "
-                f"{type(error).__name__}: {error}",
-                file=sys.stderr,
-            )
+        if engine._is_owner() and engine._supervisor is not None:  # this process's, and not stopped yet
+            _at_exit("stopping OnlineDataEngine", engine.stop)
+        _at_exit(f"closing LeRobotRecorder of {recorder.root}", recorder.close)
+
+
+def _at_exit(what: str, step: Callable[[], None]) -> None:
+    """Run ``step``; a failure is printed (the script's own traceback, if any, is printed already)."""
+    try:
+        step()
+    except BaseException as error:
+        print(f"simstream: {what} at exit failed: {type(error).__name__}: {error}", file=sys.stderr)
 
 
 _POLL_S = 0.01
