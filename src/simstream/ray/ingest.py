@@ -426,7 +426,9 @@ class RayProducers:
         requested = self._shared.progress.requested_generation
         backend, end = self._backend, len(producer.starts)
         # the next generation's stream waits on the actor behind the current one, so the actor starts it
-        # as soon as the current one ends; Ray's back-pressure bounds how far each runs ahead
+        # as soon as the current one ends; Ray's back-pressure bounds how far each runs ahead (an option
+        # with a leading underscore, as Ray Data uses it: test_an_actor_runs_at_most_calls_in_flight_...
+        # pins its meaning, made items not yet taken, on each Ray version the tests run with)
         while len(producer.calls) < _STREAMS_AHEAD and producer.next_generation <= requested:
             if not producer.calls:
                 producer.head_since = now
