@@ -165,3 +165,30 @@ def test_a_sample_right_after_request_refill_waits_for_the_generation_it_names()
             assert anchors.eq(generation).all()
             engine.wait_for_generation(generation, timeout=60)
         engine.check_health()
+
+
+def test_producers_paused_on_a_full_lifecycle_log_are_not_waited_for_and_the_error_says_why():
+    """Only the owner's drain_lifecycle_events() frees the log, and the owner is the one sampling: waiting
+    for the refill would last the whole sample_wait_timeout (1e6 s here, far past the test's timeout)."""
+    cfg = make_cfg(
+        ScriptedSpec(num_envs=2),
+        buffer_size=4,
+        refill_policy="manual",
+        include_provenance=True,
+        lifecycle_event_capacity=8,
+        sample_wait_timeout=1e6,
+    )
+    with OnlineDataEngine(cfg) as engine:
+        engine.drain_lifecycle_events()
+        engine.wait_for_generation(engine.request_refill(), timeout=60)  # its records fill the log
+        generation = engine.request_refill()
+        with pytest.raises(
+            DataUnavailableError,
+            match=rf"among episodes of generations \[{generation}\]\); the lifecycle log holds 8 of its 8 "
+            r"records .* producers wait for drain_lifecycle_events\(\)",
+        ):
+            engine.sample_batch_with_context(4, 2, 2, generations=(generation,))
+        engine.drain_lifecycle_events()
+        batch = engine.sample_batch_with_context(4, 2, 2, generations=(generation,))
+        assert batch["ods_generation"][:, 1].eq(generation).all()
+        engine.check_health()

@@ -14,7 +14,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Literal
 
@@ -175,9 +175,10 @@ class OnlineDataEngine(EngineLifecycle):
         change; ``segment`` windows stay inside one accepted segment; ``boundary`` windows cross at least one
         boundary between accepted segments.
 
-        When no window is eligible only because producers are rewriting the rows that hold them, the call
-        waits for them (up to ``OnlineDataEngineCfg.sample_wait_timeout`` seconds, re-checking the
-        producers before every retry), so a producer's error is raised instead of ``DataUnavailableError``.
+        When no window is eligible only because producers are rewriting the rows that hold them, or are
+        about to (a refill requested before the call and not complete), the call waits for them (up to
+        ``OnlineDataEngineCfg.sample_wait_timeout`` seconds, re-checking the producers before every retry),
+        so a producer's error is raised instead of ``DataUnavailableError``.
 
         Args:
             batch_size: Chunks in the batch (drawn with replacement).
@@ -204,7 +205,7 @@ class OnlineDataEngine(EngineLifecycle):
             KeyError: a key of ``keys`` names nothing in the buffer (the message lists the buffer's
                 keys), or ``out`` has no tensor at a copied key. Nothing is copied.
             DataUnavailableError: no eligible window (producers keep running); after the bounded wait
-                when rows were being written.
+                when rows were being written or a requested refill was under way.
             DataBudgetExhaustedError: the eligible episodes' quotas cannot supply the batch; nothing charged.
             RuntimeError: the engine is not READY, or a producer's original exception.
         """
@@ -235,11 +236,12 @@ class OnlineDataEngine(EngineLifecycle):
                 check_failed=self._raise_if_failed,
                 check_ready=partial(self._check_ready, "sample_batch"),
                 wait_s=self.cfg.sample_wait_timeout,
-                rewrite_pending=self._refill_pending,
+                rewrite_pending=self._refill_pending(),
             )
-        except (DataUnavailableError, DataBudgetExhaustedError):
+        except (DataUnavailableError, DataBudgetExhaustedError) as error:
             self._raise_if_failed()
             self._check_workers_alive()
+            self._explain_unavailable(error)
             raise
         self._shared.record_samples(batch_size, self._refill_after)
         return batch
@@ -312,11 +314,12 @@ class OnlineDataEngine(EngineLifecycle):
                 keys=keys,
                 check_ready=partial(self._check_ready, "sample_batch"),
                 wait_s=self.cfg.sample_wait_timeout,
-                rewrite_pending=self._refill_pending,
+                rewrite_pending=self._refill_pending(generations),
             )
-        except (DataUnavailableError, DataBudgetExhaustedError):
+        except (DataUnavailableError, DataBudgetExhaustedError) as error:
             self._raise_if_failed()
             self._check_workers_alive()
+            self._explain_unavailable(error)
             raise
         self._shared.record_samples(batch_size, self._refill_after)
         return batch
@@ -334,11 +337,30 @@ class OnlineDataEngine(EngineLifecycle):
             "subtask": registry.resolve(batch.get("subtask_index"), kind="subtask"),
         }
 
-    def _refill_pending(self) -> bool:
-        """A generation is requested that not every producer has finished: rows are about to be rewritten
-        (a sample that finds nothing eligible waits for them, within ``sample_wait_timeout``)."""
+    def _explain_unavailable(self, error: Exception) -> None:
+        """Raise ``DataUnavailableError`` again saying why producers may be paused (a full lifecycle log
+        that only this owner can drain), if they are."""
+        paused = self._log_full() if isinstance(error, DataUnavailableError) else ""
+        if paused:
+            raise DataUnavailableError(f"{str(error).rstrip('.')}{paused}") from None
+
+    def _refill_pending(self, generations: tuple[int, ...] | None = None) -> Callable[[], bool]:
+        """For one sample call: whether rows are about to be rewritten by a refill requested before the
+        call (of one of ``generations``, when given), so that finding nothing eligible is worth waiting
+        for (within ``sample_wait_timeout``). Refills requested later do not extend the wait, and producers
+        paused on a full lifecycle log, which only this owner's ``drain_lifecycle_events`` frees, are not
+        about to rewrite anything."""
         progress = self._shared.progress
-        return progress.requested_generation > progress.completed_generation
+        target = progress.requested_generation
+        wanted = None if generations is None else set(generations)
+
+        def pending() -> bool:
+            completed = progress.completed_generation
+            if completed >= target or self._log_full():
+                return False
+            return wanted is None or any(completed < g <= target for g in wanted)
+
+        return pending
 
     def _check_ready(self, operation: str) -> None:
         state = self.state  # read before the channel: a failure published in between is raised as itself
