@@ -11,7 +11,7 @@ generation is ahead of what that producer completed (idle producers stay idle), 
 generation (:meth:`~simstream.ray.actor.ProducerActor.stream`) whose items of ``windows_per_call`` windows
 Ray's back-pressure keeps at most ``calls_in_flight`` ahead of the ingest, and waits on Ray with ``ray.wait``
 in short slices, holding no lock meanwhile. A stream costs the ingest and the actor one submission per
-generation instead of one per item (``BENCHMARKS.md``, run 11). The windows that arrive from a producer's
+generation instead of one per item (``BENCHMARKS.md``, run 12). The windows that arrive from a producer's
 consecutive items are held for at most ``publish_delay_s`` (up to ``publish_windows`` of them; a generation's
 last window ends the group at once) and published together with
 :class:`~simstream.engine.publisher.WindowPublisher`: one claim of all their rows, the payloads copied in, one
