@@ -1,12 +1,13 @@
 """What the forkserver imports before it serves: the producer module, then Python's Ctrl-C handler back.
 
-A terminal's Ctrl-C reaches the whole process group. The owner handles it (its ``stop()`` ends the
-producers cleanly), so it starts the forkserver with SIGINT ignored, inherited through ``exec``: an
-interrupt during the forkserver's preload (torch's import, a couple of seconds) printed a
-``KeyboardInterrupt`` traceback of the forkserver on top of the owner's own message. This module, imported
-last, gives the forkserver Python's usual handler back before it records the handler its children start
-with: the user's own forkserver processes get Ctrl-C as usual, and simstream's workers ignore SIGINT as
-their first act.
+A terminal's Ctrl-C reaches the whole process group. The owner handles it (its ``stop()`` ends the producers
+cleanly), so the forkserver must not: a Ctrl-C during its preload (torch's import, a couple of seconds)
+printed a ``KeyboardInterrupt`` traceback of the forkserver on top of the owner's own message. The owner
+therefore starts it with SIGINT blocked, a mask inherited through ``exec`` (ignoring SIGINT in the owner for
+the spawn, as before, was inherited too, but dropped a Ctrl-C that reached the owner meanwhile). This module,
+imported last, discards a Ctrl-C held pending during the preload and gives the forkserver Python's usual
+handler back, unblocked, before it records the handler its children start with: the user's own forkserver
+processes get Ctrl-C as usual, and simstream's workers ignore SIGINT as their first act.
 
 It also arranges for the owner's ``pymp-*`` directory, which holds the forkserver's listening socket, to
 be removed when the owner was killed: multiprocessing removes it in the owner's exit handlers, which a
@@ -72,4 +73,8 @@ _directory = listener_directory()
 if _directory is not None:
     atexit.register(remove_if_orphaned, _directory, os.getppid())
 
+# the owner starts this process with SIGINT blocked (inherited through exec): a Ctrl-C during the preload
+# is pending, not delivered. Ignoring it discards it; then Python's usual handler, unblocked.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 signal.signal(signal.SIGINT, signal.default_int_handler)

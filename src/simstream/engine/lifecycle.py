@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -19,7 +18,13 @@ import weakref
 from ..errors import OnlineDataWorkerError, add_note
 from ..ray.backend import RAY_LEAVE_S
 from ..workers.channel import describe_exit
-from ..workers.supervisor import WorkerSpec, WorkerSupervisor, refuse_in_preparing_child, sigint_handled
+from ..workers.supervisor import (
+    WorkerSpec,
+    WorkerSupervisor,
+    ctrl_c_deferred,
+    refuse_in_preparing_child,
+    sigint_blocked,
+)
 from .shared import EngineShared
 from .state import OnlineDataEngineState as State
 
@@ -447,11 +452,13 @@ def start_forkserver() -> None:
 
 
 def _start_forkserver_ignoring_ctrl_c() -> None:
-    """Start the forkserver with SIGINT ignored (see :mod:`simstream.engine.forkserver_preload`). From
-    another thread the handler cannot be changed: it starts as it would anyway."""
+    """Start the forkserver with SIGINT blocked, which it inherits through ``exec`` and keeps through its
+    preload (:mod:`simstream.engine.forkserver_preload` unblocks it). A Ctrl-C meanwhile is held here and
+    delivered once the forkserver runs: ignoring SIGINT for the spawn, as before, dropped it (the script
+    went on as if never interrupted)."""
     from multiprocessing import forkserver
 
-    with sigint_handled(signal.SIG_IGN):  # for the few ms of its spawn
+    with ctrl_c_deferred(), sigint_blocked():  # for the few ms of its spawn
         forkserver.ensure_running()
 
 

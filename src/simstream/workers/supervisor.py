@@ -43,6 +43,7 @@ __all__ = [
     "owner_watch",
     "preparing_worker_process",
     "refuse_in_preparing_child",
+    "sigint_blocked",
     "sigint_handled",
     "worker_entry",
 ]
@@ -326,7 +327,7 @@ class WorkerSupervisor:
             )
             # a child started but not registered would be left to itself; and a child begins with SIGINT
             # blocked: a Ctrl-C while spawn re-imports the main module (seconds) printed its traceback
-            with ctrl_c_deferred(), _sigint_blocked():
+            with ctrl_c_deferred(), sigint_blocked():
                 process.start()  # registered only once started: shutdown() joins what it holds
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
@@ -570,7 +571,7 @@ def ctrl_c_deferred() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
+def sigint_blocked() -> Iterator[None]:
     """Block SIGINT in this thread for the block. A process started inside it inherits the mask through
     ``fork`` and ``exec``, so it cannot be interrupted before :func:`worker_entry` ignores SIGINT. (A
     ``forkserver`` child inherits the forkserver's mask instead; it only unpickles its arguments first.)"""
