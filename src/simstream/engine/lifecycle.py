@@ -448,10 +448,10 @@ def start_forkserver() -> None:
     """
     if _forkserver_not_started():
         EngineShared.context().set_forkserver_preload(["simstream.engine.forkserver_preload"])
-        _start_forkserver_ignoring_ctrl_c()
+        _start_forkserver_holding_ctrl_c()
 
 
-def _start_forkserver_ignoring_ctrl_c() -> None:
+def _start_forkserver_holding_ctrl_c() -> None:
     """Start the forkserver with SIGINT blocked, which it inherits through ``exec`` and keeps through its
     preload (:mod:`simstream.engine.forkserver_preload` unblocks it). A Ctrl-C meanwhile is held here and
     delivered once the forkserver runs: ignoring SIGINT for the spawn, as before, dropped it (the script

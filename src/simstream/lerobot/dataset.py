@@ -101,16 +101,16 @@ def _path_template(info_path: Path, info: dict[str, Any], name: str, default: st
     if template is None and default is None:
         return None
     example = {"chunk_index": 0, "file_index": 0, "video_key": "camera"}
-    try:
-        if not isinstance(template, str):
-            raise TypeError(type(template).__name__)
-        relative = not Path(template.format(**example)).is_absolute()
-    except (TypeError, KeyError, IndexError, ValueError, AttributeError) as error:
-        relative = False
-        problem = f" ({type(error).__name__}: {error})"
+    problem = None  # why the template cannot name the files ("": it names none, or an absolute path)
+    if not isinstance(template, str):
+        problem = f" (TypeError: {type(template).__name__})"
     else:
-        problem = ""
-    if not relative or not template.strip():
+        try:
+            if not template.strip() or Path(template.format(**example)).is_absolute():
+                problem = ""
+        except (TypeError, KeyError, IndexError, ValueError, AttributeError) as error:
+            problem = f" ({type(error).__name__}: {error})"
+    if problem is not None:
         fields = "chunk_index and file_index" + (" (and video_key)" if name == "video_path" else "")
         raise LeRobotFormatError(
             f"{info_path}: {name} must be a relative path template of {fields} such as "

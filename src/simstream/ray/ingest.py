@@ -148,7 +148,8 @@ class _Stream:
     """One streaming call: the windows ``number .. end - 1`` of ``generation`` not received yet."""
 
     generator: object
-    """Ray's ``ObjectRefGenerator`` of the call (dropping it releases the actor from back-pressure)."""
+    """Ray's ``ObjectRefGenerator`` of the call (at shutdown the ingest takes its ready items, so that an
+    actor waiting on back-pressure goes on and sees the stop: see ``_close_actors``)."""
     number: int
     end: int
     generation: int
@@ -497,26 +498,26 @@ class RayProducers:
             raise Closing
         self._hold(producer, item, value, now)
 
-    def _hold(self, producer: _Producer, call: _Item, payloads: list[WindowPayload], now: float) -> None:
+    def _hold(self, producer: _Producer, item: _Item, payloads: list[WindowPayload], now: float) -> None:
         """Keep the windows of a stream's item that arrived with those held before it; publish the group
         once it is full, ends the generation, or (with ``publish_delay_s == 0``) at once."""
         backend = self._backend
         if producer.held and (
-            call.generation != producer.held_generation
-            or call.number != producer.held_number + len(producer.held)
+            item.generation != producer.held_generation
+            or item.number != producer.held_number + len(producer.held)
             or len(producer.held) + len(payloads) > backend.publish_windows
         ):
             self._publish_held(producer)  # not consecutive (a safety check), or the group would be too big
         if not producer.held:
             producer.held_number, producer.held_generation, producer.held_since = (
-                call.number,
-                call.generation,
+                item.number,
+                item.generation,
                 now,
             )
         producer.held.extend(payloads)
         if (
-            len(payloads) < call.count
-            or call.number + call.count == len(producer.starts)
+            len(payloads) < item.count
+            or item.number + item.count == len(producer.starts)
             or len(producer.held) >= backend.publish_windows
             or backend.publish_delay_s == 0
         ):
@@ -690,15 +691,13 @@ def _drain(streams: list) -> list:
     if not streams:
         return streams
     ready, _ = ray.wait(streams, num_returns=len(streams), timeout=0)
-    ended = []
+    ended = set()
     for stream in ready:
         try:
             next(stream)
-        except StopIteration:
-            ended.append(stream)
-        except Exception:  # its actor is gone: nothing more to release
-            ended.append(stream)
-    return [stream for stream in streams if not any(stream is done for done in ended)]
+        except Exception:  # StopIteration (it returned), or its actor is gone: nothing more to release
+            ended.add(id(stream))
+    return [stream for stream in streams if id(stream) not in ended]
 
 
 def _original(error: RayTaskError) -> BaseException:
