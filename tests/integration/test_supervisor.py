@@ -195,6 +195,30 @@ def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
     assert str(channel.error()) == "interrupted died with exit code 0"
 
 
+def test_a_forkserver_exit_status_read_by_many_threads_at_once_is_the_same_for_each():
+    """A forkserver worker's status arrives once, over a pipe: two threads joining the process itself race
+    for it, and the loser reads 255 (the test below read 255 one time in four while the monitor thread
+    read it too). ``wait_exited`` reads it under the supervisor's lock, so every reader sees -9."""
+    import signal
+
+    ctx = mp.get_context("forkserver")
+    channel, started = ErrorChannel(ctx), ctx.RawValue("i", 0)
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("dies", "tests.support.workers:start_a_child_and_die", (started,), True)])
+    codes: list[int | None] = []
+    readers = [
+        threading.Thread(target=lambda: codes.append(supervisor.wait_exited("dies", 60.0))) for _ in range(4)
+    ]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(90.0)
+    report = supervisor.shutdown(5.0)  # kills the child the worker left in its group
+    assert codes == [-signal.SIGKILL] * 4
+    assert report.exitcodes == {"dies": -signal.SIGKILL}
+    assert str(channel.error()) == "dies died with exit code -9"
+
+
 @pytest.mark.parametrize("own_process_group", [True, False])
 def test_what_a_group_leading_worker_left_running_is_killed_at_shutdown(own_process_group):
     """A worker with ``own_process_group`` leads a group; the processes it started stay in it, and once
@@ -208,7 +232,8 @@ def test_what_a_group_leading_worker_left_running_is_killed_at_shutdown(own_proc
     spec = WorkerSpec("leader", "tests.support.workers:start_a_child_and_die", (started,), own_process_group)
     supervisor.start([spec])
     leader = supervisor.processes["leader"].pid
-    supervisor.processes["leader"].join(60)
+    # not the process's own join(): that raced the monitor thread for the one forkserver status (255)
+    assert supervisor.wait_exited("leader", 60.0) == -signal.SIGKILL
     child = started.value
     assert child > 0
     try:

@@ -299,7 +299,17 @@ class WorkerSupervisor:
 
     @property
     def processes(self) -> dict[str, mp.process.BaseProcess]:
+        """The workers by label, for their ``pid`` and ``sentinel``. Read an exit status through
+        :meth:`wait_exited` or :meth:`dead_workers`, never a process's own ``join()`` or ``exitcode``: a
+        ``forkserver`` status can be read once, and a second reader racing the monitor thread gets 255."""
         return dict(self._processes)
+
+    def wait_exited(self, label: str, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for worker ``label`` to exit; its exit code, or ``None`` if it lives."""
+        process = self._processes[label]
+        self._join_all([process], timeout_s)
+        with self._status_lock:
+            return process.exitcode
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
