@@ -188,6 +188,8 @@ def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
     supervisor.start([spec])
     try:
         assert ran.wait(60.0), f"the worker did not run its body: {channel.error()!r}"
+        # the monitor's report of the exit, before the shutdown stops the monitor
+        assert channel.wait_published(60.0)
     finally:
         report = supervisor.shutdown(30.0)
     assert report.exitcodes == {"interrupted": 0}
@@ -196,25 +198,33 @@ def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
 
 
 def test_a_forkserver_exit_status_read_by_many_threads_at_once_is_the_same_for_each():
-    """A forkserver worker's status arrives once, over a pipe: two threads joining the process itself race
-    for it, and the loser reads 255 (the test below read 255 one time in four while the monitor thread
-    read it too). ``wait_exited`` reads it under the supervisor's lock, so every reader sees -9."""
+    """A forkserver worker's status arrives once, over a pipe. Python's reader is not thread-safe: two
+    threads joining the process raced for it, and the loser read 255 (a test that joined while the monitor
+    thread read failed one run in four; every ``Process.start()`` in the owner reads it too). Readers now
+    take turns, whether they join the process, call ``wait_exited`` or are the monitor."""
     import signal
 
     ctx = mp.get_context("forkserver")
     channel, started = ErrorChannel(ctx), ctx.RawValue("i", 0)
     supervisor = _supervisor(ctx, channel, None)
     supervisor.start([WorkerSpec("dies", "tests.support.workers:start_a_child_and_die", (started,), True)])
-    codes: list[int | None] = []
-    readers = [
+    process, codes = supervisor.processes["dies"], []
+
+    def join_it() -> None:
+        process.join(60.0)
+        codes.append(process.exitcode)
+
+    readers = [threading.Thread(target=join_it) for _ in range(4)]
+    readers += [
         threading.Thread(target=lambda: codes.append(supervisor.wait_exited("dies", 60.0))) for _ in range(4)
     ]
     for reader in readers:
         reader.start()
     for reader in readers:
         reader.join(90.0)
+    assert channel.wait_published(60.0)
     report = supervisor.shutdown(5.0)  # kills the child the worker left in its group
-    assert codes == [-signal.SIGKILL] * 4
+    assert codes == [-signal.SIGKILL] * 8
     assert report.exitcodes == {"dies": -signal.SIGKILL}
     assert str(channel.error()) == "dies died with exit code -9"
 

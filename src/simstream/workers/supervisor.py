@@ -339,6 +339,7 @@ class WorkerSupervisor:
             # blocked: a Ctrl-C while spawn re-imports the main module (seconds) printed its traceback
             with ctrl_c_deferred(), sigint_blocked():
                 process.start()  # registered only once started: shutdown() joins what it holds
+                _read_exit_status_once(process)
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
                 if spec.own_process_group:
@@ -486,6 +487,29 @@ def _pidfd_exited(fd: int, timeout_s: float) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(int(timeout_s * 1000)))
+
+
+def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
+    """Make the reads of a ``forkserver`` worker's exit status take turns.
+
+    The fork server sends the status once, over a pipe. Python's reader is not thread-safe: of two threads
+    that find the pipe readable at once, one reads the status and the other the end of the pipe, which it
+    takes for a dead fork server (exit code 255), and whichever finishes last sets the code. Readers are
+    not only this supervisor: every ``Process.start()`` in the owner (a ``DataLoader``'s workers) polls all
+    live children, ours included. With the read under a lock, the second reader finds the code set.
+    """
+    popen = getattr(process, "_popen", None)
+    if process._start_method != "forkserver" or popen is None:  # fork and spawn reap with waitpid()
+        return
+    read, lock = popen.poll, threading.Lock()
+
+    def poll(flag: int = os.WNOHANG) -> int | None:
+        if flag != os.WNOHANG:
+            wait_for_sentinels([popen.sentinel])  # the blocking wait, outside the lock
+        with lock:  # held for one non-blocking read: the status is in the pipe once it is readable
+            return read(os.WNOHANG)
+
+    popen.poll = poll
 
 
 def _kill_group(leader: int) -> None:
