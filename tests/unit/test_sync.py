@@ -325,6 +325,49 @@ def test_per_process_counters_sum_exactly(method):
     assert progress.snapshot()["sampled_chunks"] == 2500
 
 
+def _hold_the_overflow_lock_stopped(progress: ProducerProgress, ready, leave) -> None:
+    assert progress._consumer_slots.mine() == 0  # the only row of its own: the parent shares the overflow
+    progress._overflow_lock.acquire(None)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    progress._overflow_lock.release()
+    leave.wait(_BOUND_S)
+
+
+def test_a_count_past_the_own_rows_does_not_wait_for_a_stopped_holder_of_their_lock():
+    """Sampling processes past the rows of their own share one row under a lock: a holder stopped (SIGSTOP,
+    a debugger) kept every other such process's sample_batch waiting until it was continued. The count
+    now waits in the process and goes in with the next one."""
+    ctx = mp.get_context("fork")
+    progress = ProducerProgress(1, ctx)
+    progress._consumer_slots = ProcessSlots(1)  # the child takes it; this process is past the rows
+    ready, leave = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_the_overflow_lock_stopped, args=(progress, ready, leave))
+    holder.start()
+    try:
+        assert ready.wait(_BOUND_S)
+        deadline = time.monotonic() + _BOUND_S
+        while not process_is_stopped(holder.pid) and time.monotonic() < deadline:
+            threading.Event().wait(0.001)  # a bounded poll: nothing tells when a SIGSTOP took effect
+        assert process_is_stopped(holder.pid)
+        counting = threading.Thread(target=progress.record_sampled, args=(3, None))
+        counting.start()
+        counting.join(_BOUND_S)
+        assert not counting.is_alive(), "record_sampled waited for the stopped holder"
+        assert progress.sampled_total() == 0
+        os.kill(holder.pid, signal.SIGCONT)
+        deadline = time.monotonic() + _BOUND_S
+        while progress._overflow_lock.holder_pid() is not None and time.monotonic() < deadline:
+            threading.Event().wait(0.001)
+        progress.record_sampled(2, None)
+        assert progress.sampled_total() == 5, "the count that waited went in with the next"
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        leave.set()
+        holder.join(_BOUND_S)
+    assert holder.exitcode == 0
+
+
 def test_a_refill_is_requested_once_per_threshold_and_only_when_none_is_outstanding():
     progress = ProducerProgress(1, mp.get_context("fork"))
     progress.record_sampled(5, None)

@@ -83,10 +83,12 @@ class ProducerProgress:
         self._sampled = values[producers_end:]
         self._pid = os.getpid()
         self._local = threading.Lock()
+        self._unrecorded = 0
+        """Chunks this process delivered that wait to go into the shared overflow row (its lock was busy)."""
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_shared", "_producers", "_sampled", "_pid", "_local"):
+        for name in ("_shared", "_producers", "_sampled", "_pid", "_local", "_unrecorded"):
             del state[name]
         return state
 
@@ -229,14 +231,35 @@ class ProducerProgress:
     def record_sampled(self, count: int, check: Callable[[], None] | None) -> None:
         """Add ``count`` delivered chunks to this process's own row (no shared lock unless rows ran out)."""
         if self._pid != os.getpid():  # forked: the thread lock may have been copied while taken
-            self._pid, self._local = os.getpid(), threading.Lock()
+            self._pid, self._local, self._unrecorded = os.getpid(), threading.Lock(), 0  # the parent's count
         slot = self._consumer_slots.mine()
         if slot is None:
-            with self._overflow_lock.held(check):
-                self._sampled[_CONSUMER_ROWS] += count
+            self._record_in_overflow_row(count, check)
             return
         with self._local:
             self._sampled[slot] += count
+
+    def _record_in_overflow_row(self, count: int, check: Callable[[], None] | None) -> None:
+        """Add ``count`` to the row that every process past the first ``_CONSUMER_ROWS`` shares, under its
+        lock. A holder keeps it for microseconds; one that keeps it longer (stopped: SIGSTOP, a debugger)
+        must not hold up this sample, whose batch is already copied: the count then waits in this process
+        and goes in with a later one."""
+        with self._local:
+            self._unrecorded += count
+        deadline = time.monotonic() + _REQUEST_WAIT_S
+
+        def busy() -> None:
+            if check is not None:
+                check()
+            if time.monotonic() >= deadline:
+                raise _RequestBusy
+
+        try:
+            with self._overflow_lock.held(busy, slice_s=_REQUEST_WAIT_S / 4), self._local:
+                self._sampled[_CONSUMER_ROWS] += self._unrecorded
+                self._unrecorded = 0
+        except _RequestBusy:
+            pass
 
     def sampled_total(self) -> int:
         return int(self._sampled.sum())
@@ -269,4 +292,4 @@ class ProducerProgress:
 
 
 class _RequestBusy(Exception):
-    """The request lock stayed taken past a sample's short wait."""
+    """The request lock (or the overflow row's) stayed taken past a sample's short wait."""
