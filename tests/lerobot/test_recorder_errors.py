@@ -47,6 +47,37 @@ def test_bad_settings(engine, tmp_path, kwargs, fragment):
     assert not (tmp_path / "ds").exists()
 
 
+def _record_in_a_child(engine, root, answers) -> None:
+    try:
+        LeRobotRecorder(engine, root)
+    except RuntimeError as error:
+        answers.send(str(error))
+    else:
+        answers.send("no error")
+
+
+def test_only_the_owner_may_record(engine, tmp_path):
+    """A recorder's liveness is its owner's: a producer waiting on it notices the owner's death. One started
+    in another process (a DataLoader worker, a forked child) and killed there left the producers waiting
+    on it for ever."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    answers, answer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_record_in_a_child, args=(engine, tmp_path / "ds", answer))
+    child.start()
+    try:
+        assert answers.poll(30.0)
+        message = answers.recv()
+    finally:
+        child.join(30.0)
+    assert message == (
+        f"LeRobotRecorder: only the engine's owner process ({os.getpid()}) may record; this is process "
+        f"{child.pid}, where the engine was pickled or forked into"
+    )
+    assert child.exitcode == 0 and not (tmp_path / "ds").exists()
+
+
 def test_source_without_fps(tmp_path):
     engine = OnlineDataEngine(
         OnlineDataEngineCfg(source=SyntheticSpec(num_envs=1), buffer_size=2, num_workers=1)

@@ -140,6 +140,12 @@ class LeRobotRecorder:
         robot_type: str | None = None,
         writer_niceness: int = 10,
     ) -> None:
+        if not engine._is_owner():
+            # a producer waiting on the recorder notices the owner's death, not another process's
+            raise RuntimeError(
+                f"LeRobotRecorder: only the engine's owner process ({engine._owner_pid}) may record; this "
+                f"is process {os.getpid()}, where the engine was pickled or forked into"
+            )
         spec = engine.cfg.source
         fps = getattr(spec, "fps", None) if fps is None else fps
         if fps is None:
