@@ -37,7 +37,9 @@ def test_each_generation_is_requested_when_the_one_before_completes_not_at_the_n
             stop_quietly(engine)  # ends the loop's wait with an error
             thread.join(30)
         assert outcome == ["returned"]
-        assert looks == [1]  # one look, at the start, after the first generation
+        # one look, at the start, after the first generation; generation 2, requested just before the
+        # look, may have completed too (nothing else asks for one: the refill policy is manual)
+        assert len(looks) == 1 and looks[0] in (1, 2)
         stats = engine.get_stats()
         assert stats["completed_generation"] >= 4
         assert stats["successful_episodes"] >= 4 * 4
