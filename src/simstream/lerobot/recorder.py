@@ -372,10 +372,11 @@ class LeRobotRecorder:
                 self._flushed.notify_all()
 
     def _fail(self, error: BaseException) -> None:
+        # detached first: whoever sees the failure (wait_flushed returns on it) finds producers free
+        self._detach()  # producers must not wait on a recorder that failed
         if self._error is None:
             self._error = error
             logger.exception("LeRobot recorder failed", exc_info=error)
-        self._detach()  # producers must not wait on a recorder that failed
         with self._flushed:
             self._flushed.notify_all()
 
