@@ -272,7 +272,11 @@ class ErrorChannel:
         """The publication lock, waited for at most a few seconds: a publisher must never hang.
 
         A holder keeps it for microseconds and the kernel releases it if the holder dies; only a holder
-        stopped mid-publication can keep it longer, and then this one publishes without it.
+        stopped mid-publication can keep it longer, and then this one publishes without it. That is the
+        one way a record can change once published: a holder stopped (SIGSTOP, a debugger) after it found
+        the channel empty and before it wrote, for longer than the wait, writes its own record over this
+        one when it is continued; a process that read the channel in between keeps the earlier record.
+        The alternative, a failure nobody sees while the holder stays stopped, is the worse of the two.
         """
         deadline = time.monotonic() + _PUBLISH_WAIT_S
 
