@@ -178,10 +178,11 @@ class ErrorChannel:
     Owns a 64 KiB shared byte buffer and its length, plus a small area of **durability notes**: failures
     of a source's ``close()`` that happened after another failure had been published (they are attached
     to the published exception as notes, never lost). Publishing never raises and never waits without a
-    bound; reading takes no lock (the record is in place before its length is written, and never changes
-    afterwards). The first published record stays (later failures are usually consequences of the
-    first). Decoded records are cached per process, so every call in one process returns the same
-    exception object and notes added to it accumulate.
+    bound; reading takes no lock (the record is in place before its length is written, and does not
+    change afterwards, except after a publisher stopped mid-publication: see ``_publishing``). The first
+    published record stays (later failures are usually consequences of the first). Decoded records are
+    cached per process, so every call in one process returns the same exception object and notes added
+    to it accumulate.
 
     The channel pickles only while a process is being created (``Process(args=...)``, ``DataLoader``
     workers), like any multiprocessing primitive.
