@@ -25,6 +25,7 @@ import select
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_sentinels
@@ -501,13 +502,18 @@ def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
     popen = getattr(process, "_popen", None)
     if process._start_method != "forkserver" or popen is None:  # fork and spawn reap with waitpid()
         return
-    read, lock = popen.poll, threading.Lock()
+    # a weak reference: the wrapper is an attribute of the Popen, which it must not keep alive in a cycle
+    # (its finalizer closes the status pipe once the process is dropped)
+    read, lock, owner = type(popen).poll, threading.Lock(), weakref.ref(popen)
 
     def poll(flag: int = os.WNOHANG) -> int | None:
+        target = owner()
+        if target is None:
+            return None
         if flag != os.WNOHANG:
-            wait_for_sentinels([popen.sentinel])  # the blocking wait, outside the lock
+            wait_for_sentinels([target.sentinel])  # the blocking wait, outside the lock
         with lock:  # held for one non-blocking read: the status is in the pipe once it is readable
-            return read(os.WNOHANG)
+            return read(target, os.WNOHANG)
 
     popen.poll = poll
 
