@@ -311,7 +311,11 @@ class MixSpec:
                 f"MixSpec.weights must hold one weight per spec ({len(specs)}), got {len(weights)}"
             )
         for k, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, Real) or not 0 <= w < float("inf"):
+            try:  # an int too large for a float is not finite here
+                finite = not isinstance(w, bool) and isinstance(w, Real) and 0 <= float(w) < float("inf")
+            except OverflowError:
+                finite = False
+            if not finite:
                 raise ValueError(f"MixSpec.weights[{k}] must be a finite number >= 0, got {w!r}")
         total = sum(float(w) for w in weights)  # inf when the weights overflow together
         if not 0 < total < float("inf"):
@@ -422,8 +426,15 @@ class MixSource:
         steps = spec.max_episode_steps
         payload = rows.exclude(SOURCE_INDEX)[:, :steps]
         report = self.sources[k].rollout(payload, attempt=attempt, should_stop=should_stop)
-        if report is not None:
-            rows.get(SOURCE_INDEX).fill_(k)
+        if report is None:
+            return None
+        # against this source's own capacity: the engine checks the mix's, the longest of any source, and
+        # frames past this one's were never written
+        try:
+            report = validate_episodes(report, int(rows.batch_size[0]), steps)
+        except ValueError as error:
+            raise ValueError(f"MixSpec.specs[{k}] ({type(spec).__name__}): {error}") from None
+        rows.get(SOURCE_INDEX).fill_(k)
         return report
 
     def close(self) -> None:

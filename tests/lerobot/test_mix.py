@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simstream import Field, OnlineDataEngine, OnlineDataEngineCfg
+from simstream import Episode, Field, OnlineDataEngine, OnlineDataEngineCfg
 from simstream.sources import SOURCE_INDEX, MixSpec
 from simstream.synthetic import SyntheticSpec
 
@@ -96,6 +96,54 @@ def test_a_windows_retries_stay_with_the_source_drawn_for_it(monkeypatch):
     assert bool((rows[SOURCE_INDEX] == 0).all()) and source.draws == [1, 1]
 
 
+@dataclasses.dataclass(frozen=True)
+class _OverreportingSpec(PatternSpec):
+    """Writes its ``max_episode_steps`` frames and reports ``reported`` of them."""
+
+    reported: int = 8
+
+    def build(self, worker_index: int, seed: int):
+        return _OverreportingSource(self)
+
+
+class _OverreportingSource:
+    def __init__(self, spec: _OverreportingSpec) -> None:
+        self.spec = spec
+
+    def rollout(self, rows, *, attempt, should_stop):
+        for key in rows.keys(include_nested=True, leaves_only=True):
+            rows[key][:, : self.spec.max_episode_steps] = 7
+        return [Episode(self.spec.reported, terminated=True)] * self.spec.num_envs
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("through_the_engine", [False, True])
+def test_an_episode_longer_than_its_own_source_s_rows_is_refused(through_the_engine):
+    """The engine checks a mix's episodes against the longest source's rows; a source of 5 steps that
+    reported 8 had 3 frames it never wrote published as valid (zeros, or an older episode's)."""
+    spec = MixSpec((PatternSpec(max_episode_steps=10), _OverreportingSpec(max_episode_steps=5)), (0, 1))
+    message = "MixSpec.specs[1] (_OverreportingSpec): Episode.length of row 0 must be an int in [0, 5], got 8"
+    if not through_the_engine:
+        rows = _rows(spec)
+        with pytest.raises(ValueError) as raised:
+            spec.build(0, 0).rollout(rows, attempt=0, should_stop=lambda: False)
+        assert str(raised.value) == message
+        assert bool((rows[SOURCE_INDEX] == 0).all()), "a refused window is not stamped"
+        return
+    engine = OnlineDataEngine(OnlineDataEngineCfg(source=spec, buffer_size=2, num_workers=1))
+    with pytest.raises(ValueError) as raised:
+        engine.start()
+    assert str(raised.value) == message
+    # within its own rows, the same source is published
+    fits = MixSpec(
+        (PatternSpec(max_episode_steps=10), _OverreportingSpec(max_episode_steps=5, reported=5)), (0, 1)
+    )
+    with OnlineDataEngine(OnlineDataEngineCfg(source=fits, buffer_size=2, num_workers=1)) as engine:
+        assert engine.shared_buffer["valid"].sum(dim=1).tolist() == [5, 5]
+
+
 def test_the_sources_common_action_semantics_reach_the_engine_check():
     policy = MixSpec((PolicyPatternSpec(), PolicyPatternSpec()), (1, 1))
     assert policy.action_semantics == "policy_request"
@@ -139,6 +187,7 @@ def test_numpy_weights_are_numbers_like_any_other():
         ((PatternSpec(),), (True,), r"MixSpec.weights\[0\] must be a finite number >= 0, got True"),
         ((PatternSpec(),), (np.bool_(True),), r"MixSpec.weights\[0\] must be a finite number >= 0"),
         ((PatternSpec(),), ("1",), r"MixSpec.weights\[0\] must be a finite number >= 0, got '1'"),
+        ((PatternSpec(),), (10**400,), r"MixSpec.weights\[0\] must be a finite number >= 0, got 1000"),
         (
             (PatternSpec(), PatternSpec()),
             (0, 0),
@@ -187,6 +236,7 @@ def test_numpy_weights_are_numbers_like_any_other():
         "bool",
         "numpy-bool",
         "string",
+        "int-beyond-float",
         "all-zero",
         "overflowing-sum",
         "one-spec",
