@@ -41,6 +41,13 @@ def test_uniform_stays_in_bounds_and_is_seeded(low, span, seed):
         ({"means": [4], "stds": [1], "low": 1.5}, r"low must be None or an int ≥ 1, got 1\.5"),
         ({"means": [4], "stds": [1], "high": 0}, "high must be None or an int ≥ 1"),
         ({"means": [4], "stds": [1], "low": 5, "high": 3}, r"high must be ≥ low \(5\)"),
+        ({"means": ["4"], "stds": [1]}, r"every mean must be finite \(a number, not a bool\), got \['4'\]"),
+        ({"means": [True], "stds": [1]}, r"every mean must be finite \(a number, not a bool\), got \[True\]"),
+        ({"means": [4], "stds": [None]}, r"every std must be finite and > 0 \(a number, not a bool\)"),
+        ({"means": [4, 8], "stds": [1, 1], "weights": [True, False]}, "every weight must be finite and ≥ 0"),
+        ({"means": [4, 8], "stds": [1, 1], "weights": [10**400, 1]}, "every weight must be finite and ≥ 0"),
+        ({"means": [4], "stds": [1], "seed": 1.5}, r"seed must be None or an int, got 1\.5"),
+        ({"means": [4], "stds": [1], "seed": True}, r"seed must be None or an int, got True"),
     ],
 )
 def test_gmm_validation(kwargs, message):
@@ -52,3 +59,22 @@ def test_gmm_validation(kwargs, message):
 def test_gmm_respects_bounds(seed):
     sampler = GMMChunkSampler([2, 30], [5, 5], weights=[1, 3], low=2, high=24, seed=seed)
     assert all(2 <= sampler() <= 24 for _ in range(50))
+
+
+def test_weights_too_large_to_sum_keep_their_proportions():
+    sampler = GMMChunkSampler([4, 8], [1, 1], weights=[1e308, 3e307], seed=0)
+    assert sampler.weights == pytest.approx([1 / 1.3, 0.3 / 1.3])
+
+
+def test_means_and_stds_near_the_float_range_still_draw_a_size_within_the_bounds():
+    sampler = GMMChunkSampler([1e308], [1e308], high=10, seed=0)
+    assert all(1 <= sampler() <= 10 for _ in range(200))
+
+
+def test_seeds_of_integral_types_are_ints_and_others_are_refused():
+    import numpy as np
+
+    a, b = UniformChunkSampler(1, 100, seed=np.int64(3)), UniformChunkSampler(1, 100, seed=3)
+    assert [a() for _ in range(10)] == [b() for _ in range(10)]
+    with pytest.raises(ValueError, match=r"^seed must be None or an int, got '3'\.$"):
+        a.seed("3")

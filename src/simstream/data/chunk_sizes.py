@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -19,13 +20,14 @@ class ChunkSizeSampler(ABC):
     """Draws a chunk length (``>= 1``) per call. Subclass it to plug in your own distribution."""
 
     def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+        self._rng = random.Random(_checked_seed(seed))
 
     def seed(self, seed: int | None) -> None:
         """Reseed (``DataLoader`` workers call this with a per-worker seed).
 
         A subclass whose ``__init__`` does not call this class's gets its ``_rng`` here.
         """
+        seed = _checked_seed(seed)
         rng = self.__dict__.get("_rng")
         if rng is None:
             self._rng = random.Random(seed)
@@ -85,19 +87,23 @@ class GMMChunkSampler(ChunkSizeSampler):
             raise ValueError("means must not be empty.")
         if len(stds) != len(means):
             raise ValueError(f"stds must have {len(means)} entries like means, got {len(stds)}.")
-        if not all(math.isfinite(m) for m in means):
-            raise ValueError(f"every mean must be finite, got {list(means)}.")
-        if not all(math.isfinite(s) and s > 0 for s in stds):
-            raise ValueError(f"every std must be finite and > 0, got {list(stds)}.")
+        if not all(_finite(m) for m in means):
+            raise ValueError(f"every mean must be finite (a number, not a bool), got {list(means)}.")
+        if not all(_finite(s) and s > 0 for s in stds):
+            raise ValueError(f"every std must be finite and > 0 (a number, not a bool), got {list(stds)}.")
         if weights is None:
             weights = [1.0] * len(means)
         if len(weights) != len(means):
             raise ValueError(f"weights must have {len(means)} entries like means, got {len(weights)}.")
-        if not all(math.isfinite(w) and w >= 0 for w in weights):
-            raise ValueError(f"every weight must be finite and ≥ 0, got {list(weights)}.")
-        total = float(sum(weights))
-        if total <= 0:
+        if not all(_finite(w) and w >= 0 for w in weights):
+            raise ValueError(
+                f"every weight must be finite and ≥ 0 (a number, not a bool), got {list(weights)}."
+            )
+        largest = max(float(w) for w in weights)
+        if largest <= 0:
             raise ValueError("weights must sum to a positive value.")
+        weights = [float(w) / largest for w in weights]  # a sum of large finite weights stays finite
+        total = sum(weights)
         if low is not None and (not _is_int(low) or low < 1):
             raise ValueError(f"low must be None or an int ≥ 1, got {low!r}.")
         if high is not None and (not _is_int(high) or high < 1):
@@ -105,7 +111,7 @@ class GMMChunkSampler(ChunkSizeSampler):
         if low is not None and high is not None and high < low:
             raise ValueError(f"high must be ≥ low ({low}), got {high}.")
         super().__init__(seed)
-        self.means, self.stds = list(means), list(stds)
+        self.means, self.stds = [float(m) for m in means], [float(s) for s in stds]
         self.weights = [w / total for w in weights]
         self.low, self.high = low, high
         self._cdf = []
@@ -118,6 +124,8 @@ class GMMChunkSampler(ChunkSizeSampler):
         u = self._rng.random()
         component = next((i for i, c in enumerate(self._cdf) if u <= c), len(self._cdf) - 1)
         value = self._rng.gauss(self.means[component], self.stds[component])
+        if not math.isfinite(value):  # a draw past the float range (means and stds near 1e308)
+            value = math.copysign(sys.float_info.max, value)
         chunk = max(1, math.floor(abs(value) + 0.5) * (1 if value >= 0 else -1))
         if self.low is not None:
             chunk = max(self.low, chunk)
@@ -130,6 +138,24 @@ class GMMChunkSampler(ChunkSizeSampler):
             f"GMMChunkSampler(means={self.means}, stds={self.stds}, weights={self.weights}, "
             f"low={self.low}, high={self.high})"
         )
+
+
+def _finite(value: object) -> bool:
+    """A finite real number of any type (Python or NumPy), but not a bool (nor an int beyond floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _checked_seed(seed: object) -> int | None:
+    if seed is None:
+        return None
+    if not _is_int(seed):
+        raise ValueError(f"seed must be None or an int, got {seed!r}.")
+    return int(seed)
 
 
 def _is_int(value: object) -> bool:
