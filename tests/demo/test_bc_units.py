@@ -660,3 +660,46 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
     assert all(torch.equal(state[key], value) for key, value in kept["averaged"].module.state_dict().items())
     assert not torch.equal(state["head.weight"], last["head.weight"])  # the average, not the last weights
     assert torch.equal(state["target_std"], last["target_std"])  # constant buffers stay as fitted
+
+
+def test_a_renderer_that_cannot_be_made_leaves_no_simulator_or_renderer_open(monkeypatch):
+    """The simulators and video renderers were made before the evaluation's cleanup took charge of them:
+    a GL context refused for the second video left the first renderer and every simulator open."""
+    import simstream.tasks as tasks
+
+    envs, renderers, closed = [], [], []
+    make_env = tasks.make_env
+
+    def tracked(thing):
+        close = thing.close
+
+        def tracked_close():
+            closed.append(thing)
+            close()
+
+        thing.close = tracked_close
+        return thing
+
+    def tracked_make_env(*args, **kwargs):
+        env = tracked(make_env(*args, **kwargs))
+        make_renderer = env.scene._make_renderer
+
+        def renderer_or_failure(size):
+            if len(renderers) == 1:
+                raise RuntimeError("no GL context left")
+            renderers.append(tracked(make_renderer(size)))
+            return renderers[-1]
+
+        env.scene._make_renderer = renderer_or_failure
+        envs.append(env)
+        return env
+
+    monkeypatch.setattr(tasks, "make_env", tracked_make_env)
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    with pytest.raises(RuntimeError, match=r"^no GL context left$"):
+        evaluate_policy(
+            policy, HashedTextEmbedding(8), "pick_place", eval_seeds(3), RolloutConfig(max_episode_steps=5),
+            record=2, image_size=16,
+        )  # fmt: skip
+    assert len(envs) == 3 and len(renderers) == 1
+    assert sorted(map(id, closed)) == sorted(map(id, envs + renderers))

@@ -273,11 +273,15 @@ def _evaluate_group(
 
     vision = isinstance(policy, VisionPolicy)
     keep_strips = keep_strips and vision
-    envs = [make_env(task, max_episode_steps=rollout.max_episode_steps) for _ in seeds]
-    # video frames get their own renderers: one renderer switching between the policy's and the video's
-    # image sizes would rebuild its GL context on every frame
-    video = [env.scene._make_renderer((image_size, image_size)) for env in envs[: min(record, len(envs))]]
-    try:
+    envs: list = []
+    video: list = []
+    try:  # built inside: what was built before a failure (a GL context refused) is closed too
+        for _ in seeds:
+            envs.append(make_env(task, max_episode_steps=rollout.max_episode_steps))
+        # video frames get their own renderers: one renderer switching between the policy's and the
+        # video's image sizes would rebuild its GL context on every frame
+        for env in envs[: min(record, len(envs))]:
+            video.append(env.scene._make_renderer((image_size, image_size)))
         observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
         texts = embedding([env.instruction for env in envs])
         n = len(envs)
