@@ -11,11 +11,12 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simstream import OnlineDataEngine
@@ -382,6 +383,7 @@ def test_chunk_sizes_the_engine_cannot_serve_are_refused_when_the_dataset_is_mad
 # torch warns that 3 workers exceed 2 CPUs; this test never starts them
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @given(st.integers(min_value=-3, max_value=3))
+@settings(deadline=None)  # a loaded CI machine may stall one example past the default
 def test_loader_num_workers_range(workers):
     dataset = OnlineDataset(None, chunk_size=2, batch_size=4)
     if workers < 0:
@@ -416,6 +418,33 @@ def test_releasing_exited_workers_never_waits_for_a_lock_its_own_thread_holds():
         next(iterator)  # an arrival: it prunes the exited worker's pool
         assert not slots_module._prune_wanted and (dead_pid, "stale") not in slots_module._RECEIVED
         del iterator
+
+
+def test_the_slots_of_a_worker_that_exited_unreaped_are_released():
+    """torch gives a worker that is slow to stop 5 s, then terminates it without reaping it: its slots
+    stayed mapped in the trainer while it was a zombie, which ``os.kill(pid, 0)`` reads as alive."""
+    from types import SimpleNamespace
+
+    from simstream._sync import process_state
+    from simstream.data import worker_slots as slots_module
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while process_state(zombie.pid) != "Z":  # a bounded poll: nothing tells when a child has exited
+            assert time.monotonic() < deadline, "the child never exited"
+            threading.Event().wait(0.01)
+        for pid in (zombie.pid, live.pid):
+            slots_module._RECEIVED[(pid, "pool")] = SimpleNamespace(pid=pid, release_unused=lambda idle: None)
+        slots_module.release_exited_workers()
+        assert (zombie.pid, "pool") not in slots_module._RECEIVED
+        assert (live.pid, "pool") in slots_module._RECEIVED
+    finally:
+        for pid in (zombie.pid, live.pid):
+            slots_module._RECEIVED.pop((pid, "pool"), None)
+        live.communicate(timeout=30)
+        zombie.wait(30)
 
 
 def test_persistent_workers_draw_fresh_windows_every_epoch():

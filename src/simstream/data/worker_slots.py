@@ -39,6 +39,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict._reductions import _reduce_td as _tensordict_reduce
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
 
+from .._sync import process_state
 from ..sampling.gather import BatchLayout, shared_arena, storage_use_count, use_counts_work
 
 __all__ = ["WorkerSlots", "current_worker_slots", "worker_batch", "worker_slots"]
@@ -364,12 +365,10 @@ def release_exited_workers() -> None:
 
 def _prune_exited_workers() -> None:
     for key, pool in list(_RECEIVED.items()):
-        try:
-            os.kill(pool.pid, 0)
-        except ProcessLookupError:
+        # a zombie has exited too: torch gives a worker that is slow to stop 5 s, then terminates it
+        # without reaping it, and its slots would stay mapped until something reaps it
+        if process_state(pool.pid) in (None, "Z", "X"):
             del _RECEIVED[key]
-        except PermissionError:
-            pass
 
 
 def _arrive(
