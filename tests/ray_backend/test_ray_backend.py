@@ -68,7 +68,9 @@ def test_contract_sampling_provenance_lifecycle_and_language(cluster):
         producers = engine.get_stats()["producers"]
         assert [p["node_id"] for p in producers] == [sim_node_id(cluster)] * 2  # on the sim node, hex
         assert all(p["restarts"] == 0 and p["alive"] and p["episodes"] == 2 for p in producers)
-        assert sim_available() == SIM_CPUS - 2
+        wait_for(
+            lambda: sim_available() == SIM_CPUS - 2, "the view of the producers' resources"
+        )  # updated asynchronously
         for mode, size in (("episode", 12), ("segment", 6), ("boundary", 4)):
             batch = engine.sample_batch(16, size, mode)
             assert_chunks_are_consecutive_frames_of_one_episode(batch)
@@ -212,9 +214,9 @@ def test_hanging_call_fails_the_engine_after_its_timeout_and_stop_ends_the_actor
 
 
 def test_a_call_of_several_windows_may_take_the_timeout_of_each(cluster):
-    """call_timeout_s bounds one window: a call of 4 windows of 0.6 s each (2.4 s) is no hang at 1 s."""
-    backend = RayBackend(resources={"sim": 1}, call_timeout_s=1.0, windows_per_call=4, max_restarts=0)
-    spec = ScriptedSpec(num_envs=1, rollout_s=0.6)
+    """call_timeout_s bounds one window: a call of 4 windows of 0.7 s each (2.8 s) is no hang at 2 s."""
+    backend = RayBackend(resources={"sim": 1}, call_timeout_s=2.0, windows_per_call=4, max_restarts=0)
+    spec = ScriptedSpec(num_envs=1, rollout_s=0.7)
     with OnlineDataEngine(ray_cfg(spec, backend, num_workers=1)) as engine:
         assert engine.get_stats()["successful_episodes"] == 4
 
@@ -259,7 +261,7 @@ def test_a_call_that_waits_for_room_in_the_lifecycle_log_is_not_a_hang(cluster):
     """The ingest blocks on a full log until the owner drains it (back-pressure, as locally); calls that
     finished meanwhile must not read as hung when it comes back."""
     backend = RayBackend(
-        resources={"sim": 1}, call_timeout_s=1.0, calls_in_flight=1, max_restarts=0, publish_delay_s=0
+        resources={"sim": 1}, call_timeout_s=2.0, calls_in_flight=1, max_restarts=0, publish_delay_s=0
     )
     spec = ScriptedSpec(rollout_s=0.2)
     cfg = ray_cfg(spec, backend, buffer_size=8, lifecycle_event_capacity=16)  # a refill writes 16 records
@@ -333,7 +335,9 @@ def test_stats_show_no_live_actor_while_a_lost_one_is_replaced(cluster):
 def test_stop_returns_the_sim_resources(cluster):
     engine = OnlineDataEngine(ray_cfg())
     engine.start()
-    assert sim_available() == SIM_CPUS - 2
+    wait_for(
+        lambda: sim_available() == SIM_CPUS - 2, "the view of the producers' resources"
+    )  # updated asynchronously
     engine.stop()
     assert engine.state is OnlineDataEngineState.STOPPED
     wait_for(lambda: sim_available() == SIM_CPUS, "the actors' resources after stop()")
@@ -517,7 +521,9 @@ def test_owner_killed_leaves_no_actor_running_and_its_consumers_get_an_error(clu
         )  # fmt: skip
     try:
         wait_for(lambda: "ready" in out_path.read_text(), "the owner to start its engine and consumer", 120)
-        assert sim_available() == SIM_CPUS - 2
+        wait_for(
+            lambda: sim_available() == SIM_CPUS - 2, "the view of the producers' resources"
+        )  # updated asynchronously
         owner.kill()
         owner.wait(30)
         wait_for(lambda: sim_available() == SIM_CPUS, "the dead owner's actors to end")
