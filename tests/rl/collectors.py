@@ -10,6 +10,7 @@ import multiprocessing as mp
 
 import torch
 
+from simstream._sync import Doorbell
 from simstream.rl import AsyncRunner, RunnerConfig
 
 
@@ -31,8 +32,9 @@ class ToyRunner(AsyncRunner):
         self.mode = mode
         self.target = target
         self.counter = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self.ticked = mp.get_context("spawn").Event()
-        """Set by the collector after each increment: the learner waits on it instead of polling."""
+        self.ticked = Doorbell(mp.get_context("spawn"))
+        """Rung by the collector after each increment: the learner waits on it instead of polling. Not an
+        Event: a collector killed inside ``Event.set()`` leaves its lock taken, and the next wait hangs."""
         self.resource = self._register_shared(Releasable())
         self.seen_kwargs: tuple[str, ...] = ()
 
@@ -51,7 +53,7 @@ class ToyRunner(AsyncRunner):
         while not stop_event.is_set():
             heartbeat()
             counter += 1
-            ticked.set()
+            ticked.ring()
             if mode == "return_early" and int(counter) >= 5:
                 return
             stop_event.wait(0.01)  # the time one collection step takes
@@ -65,10 +67,9 @@ class ToyRunner(AsyncRunner):
 
     def _counted_past(self, count: int, slice_s: float) -> bool | None:
         """``True`` once the counter passed ``count``; else wait up to ``slice_s`` for a tick (``None``)."""
-        self.ticked.clear()  # before the check: a tick after it sets the event again
         if int(self.counter) > count:
             return True
-        self.ticked.wait(slice_s)
+        self.ticked.wait(slice_s)  # a ring after the check is kept: the wait returns at once
         return True if int(self.counter) > count else None
 
 
