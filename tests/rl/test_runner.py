@@ -125,6 +125,30 @@ def test_async_policy_lag_cap_drops_stale_rollouts_and_counts_them():
     assert all(r["rl/policy_lag"] == 0 for r in runner.history)
 
 
+@pytest.mark.parametrize("mode", ["sync", "serial"])
+def test_a_lock_step_rollout_older_than_the_lag_cap_after_a_load_checkpoint_is_trained_on(mode, tmp_path):
+    """A sync collector makes its next rollout only once the learner trained on this one, and waits for a
+    version newer than its last: a rollout that a load_checkpoint (which bumps the version) reached
+    mid-way, dropped by the lag cap, left both sides waiting until data_timeout_s. The cap is async
+    mode's."""
+    cfg = _tiny(
+        mode=mode, max_policy_lag=0, steps_per_rollout=2048, minibatch_size=2048,
+        runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0),
+    )  # fmt: skip
+    with APPORunner(cfg) as runner:
+        runner.learn(1, log_dir=None)
+        path = runner.save_checkpoint(str(tmp_path / "model.pt"))
+        if mode == "sync":  # the collector is making its next rollout, with version 1
+            deadline = time.monotonic() + 60
+            while 1 not in runner.ring.states():  # WRITING; a bounded poll: nothing tells when it claims
+                assert time.monotonic() < deadline, "the collector began no next rollout"
+                threading.Event().wait(0.001)
+        runner.load_checkpoint(path)
+        assert runner.policy_version == 2
+        summary = runner.learn(1, log_dir=None)
+    assert summary["status"] == "completed" and summary["dropped_stale"] == 0
+
+
 def test_async_drop_oldest_keeps_the_collector_running():
     with APPORunner(_tiny(overflow="drop_oldest", num_slots=2, max_policy_lag=None, num_epochs=20)) as runner:
         summary = runner.learn(8, log_dir=None)

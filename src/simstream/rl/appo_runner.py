@@ -338,7 +338,10 @@ class APPORunner(AsyncRunner):
             self._serial.pull_weights(lambda: False, -1)
             self._serial.collect(self._no_free_slot_within(self.runner_config.data_timeout_s))
         max_count = cfg.num_slots if cfg.mode == "async" else 1
-        min_version = None if cfg.max_policy_lag is None else self.policy_version - cfg.max_policy_lag
+        # the cap is async mode's: a sync or serial collector makes its next rollout only once this one is
+        # trained on, so a rollout dropped there (one that straddled a load_checkpoint) stalled both sides
+        capped = cfg.max_policy_lag is not None and cfg.mode == "async"
+        min_version = self.policy_version - cfg.max_policy_lag if capped else None
 
         held: list[TakenSlot] = []
 

@@ -91,7 +91,9 @@ class APPOConfig:
     step, so a rollout may hold several versions, each step stamped with its own (fresher data, lower
     policy lag); ``rollout`` only between rollouts (one version per rollout)."""
     max_policy_lag: int | None = 8
-    """Rollouts whose policy is more than this many versions behind the learner are dropped (counted)."""
+    """Async mode: rollouts whose policy is more than this many versions behind the learner are dropped
+    (counted). Sync and serial modes train on every rollout: the collector makes the next one only after
+    it (their lag is 0, except for a rollout that straddled a ``load_checkpoint``)."""
     mode: Mode = "async"
     """``async``: the collector steps the next rollouts while the learner trains (policy lag >= 0);
     ``sync``: the collector waits for each update before its next rollout (lock-step, policy lag 0, for A/B
