@@ -140,3 +140,27 @@ def test_a_collector_that_failed_to_start_is_named_by_every_later_learn(monkeypa
         ):
             runner.learn(1, log_dir=None)
         assert runner.collector_pid is None
+
+
+def test_a_ctrl_c_while_the_collector_starts_stops_it_again(monkeypatch, ctrl_c_raises):
+    """The supervisor holds a Ctrl-C back until the collector is started and registered; the runner took
+    the KeyboardInterrupt for a start that never happened and dropped the supervisor, leaving the
+    collector running unsupervised (close() reported clean, and the interpreter's exit joined it
+    forever)."""
+    import signal
+
+    from simstream.workers import supervisor as supervisor_module
+
+    started = supervisor_module._read_exit_status_once
+
+    def started_then_interrupted(process):
+        started(process)
+        signal.raise_signal(signal.SIGINT)  # held by the supervisor until the collector is registered
+
+    monkeypatch.setattr(supervisor_module, "_read_exit_status_once", started_then_interrupted)
+    runner = ToyRunner()
+    with pytest.raises(KeyboardInterrupt):
+        runner.learn(1)
+    assert runner._supervisor is None and mp.active_children() == []
+    runner.close()
+    assert runner.last_close_report.clean

@@ -180,9 +180,14 @@ class AsyncRunner(ABC):
         try:
             self._supervisor.start([WorkerSpec(label=_LABEL, target=_ENTRY, args=args)])
         except BaseException:
-            # Nothing was started (spawn failed before the child existed): leave no half-built state.
-            self._supervisor.stop_monitor()
-            self._supervisor = None
+            # leave no half-built state: the spawn failed before the child existed, or a Ctrl-C, held back
+            # until the collector was started and registered, lands here and it is stopped again
+            supervisor, self._supervisor = self._supervisor, None
+            if supervisor.processes:
+                self._stop_event.set()
+                supervisor.shutdown(cfg.shutdown_timeout_s)
+            else:
+                supervisor.stop_monitor()
             self._crash_log.cleanup()
             raise
         self._finalizer = weakref.finalize(
