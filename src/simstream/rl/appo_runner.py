@@ -161,16 +161,16 @@ class APPORunner(AsyncRunner):
         self.ring = self._register_shared(RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN))
         self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
         self.weights.publish(self.learner.snapshot(), self.policy_version)
-        if cfg.mode == "serial":
-            self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
-        else:
-            try:
+        try:  # a collector that failed to start (or a Ctrl-C meanwhile): later calls say so at once
+            if cfg.mode == "serial":
+                self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
+            else:
                 self._start_collector(
                     {"spec": spec, "ring": self.ring, "weights": self.weights}, crash_dir=crash_dir
                 )
-            except BaseException as error:
-                self._start_error = error
-                raise
+        except BaseException as error:
+            self._start_error = error
+            raise
 
     # ------------------------------------------------------------------ training loop
     def learn(
