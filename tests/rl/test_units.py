@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -511,3 +512,23 @@ def test_ring_shared_bytes_are_what_the_ring_allocates_for_its_rollouts():
         assert RolloutRing.shared_bytes(fields, 3) == allocated == 3 * (8 * 3 * 5 * 4 + 8 * 8 + 8)
     finally:
         ring.release()
+
+
+def test_a_learner_state_with_a_shuffle_state_set_state_refuses_restores_nothing():
+    """A checkpoint mapped to a cuda learner moved the shuffle generator's state onto the GPU, which
+    set_state refuses after the model, target, optimiser and normalisers were already overwritten. The
+    state now goes to the CPU, and is checked before anything is restored (a CPU-only machine cannot
+    make a cuda tensor: a state of the wrong dtype stands for one set_state refuses)."""
+    cfg = APPOConfig(num_envs=2, steps_per_rollout=4, minibatch_size=8, hidden_sizes=(8,))
+    saved, learner = (
+        APPOLearner(cfg, 3, 1, "cpu"),
+        APPOLearner(dataclasses.replace(cfg, seed=1), 3, 1, "cpu"),
+    )
+    before = {name: tensor.clone() for name, tensor in learner.model.state_dict().items()}
+    state = {**saved.state_dict(), "shuffle": saved.state_dict()["shuffle"].float()}
+    with pytest.raises(TypeError, match=r"RNG state must be a torch\.ByteTensor"):
+        learner.load_state_dict(state)
+    after = learner.model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    learner.load_state_dict(saved.state_dict())  # a CPU state restores everything
+    assert torch.equal(learner._shuffle.get_state(), saved._shuffle.get_state())

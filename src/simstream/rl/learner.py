@@ -176,6 +176,12 @@ class APPOLearner:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        shuffle = state.get("shuffle")  # checkpoints before it was saved resume with the seed's sequence
+        if shuffle is not None:
+            # a checkpoint mapped to the learner's device (cuda) moved the generator's state there, which
+            # set_state refuses: on the CPU, and checked before anything is restored (no half-restored runner)
+            shuffle = shuffle.cpu()
+            torch.Generator().set_state(shuffle)
         self.model.load_state_dict(state["model"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -183,7 +189,7 @@ class APPOLearner:
         self.target_normalizer.load_state_dict(state.get("target_normalizer", state["normalizer"]))
         self.learning_rate = float(state["learning_rate"])
         self.updates = int(state["updates"])
-        if "shuffle" in state:  # checkpoints before it was saved resume with the seed's sequence
-            self._shuffle.set_state(state["shuffle"])
+        if shuffle is not None:
+            self._shuffle.set_state(shuffle)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate
