@@ -11,7 +11,7 @@ import multiprocessing as mp
 import torch
 
 from simstream._sync import Doorbell
-from simstream.rl import AsyncRunner, RunnerConfig
+from simstream.rl import APPORunner, AsyncRunner, RunnerConfig
 
 
 class Releasable:
@@ -126,3 +126,30 @@ class LockDeathRunner(AsyncRunner):
             return None
 
         return self._wait_until(poll, 60.0, "rollout")
+
+
+def _collector_stopped_in_the_ring_lock(stop_event, heartbeat, spec, ring, weights) -> None:
+    """The APPO collector, stopped (SIGSTOP, as a debugger would) inside its third claim of a ring slot,
+    which it makes holding the ring's lock."""
+    import os
+    import signal
+
+    from simstream.rl.collector import run_appo_collector
+    from simstream.rl.ring import RolloutRing
+
+    claim, claims = RolloutRing._claim, [0]
+
+    def stopping_claim(self):
+        claims[0] += 1
+        if claims[0] == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return claim(self)
+
+    RolloutRing._claim = stopping_claim
+    run_appo_collector(stop_event, heartbeat, spec, ring, weights)
+
+
+class StoppedInTheRingLock(APPORunner):
+    """An APPO runner whose collector is stopped holding the rollout ring's lock."""
+
+    _collector_fn = staticmethod(_collector_stopped_in_the_ring_lock)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, CollectorHangError, RunnerConfig
-from tests.rl.collectors import LockDeathRunner, ToyRunner
+from tests.rl.collectors import LockDeathRunner, StoppedInTheRingLock, ToyRunner
 from tests.rl.fault_env import HUGE_HEAD, HUGE_TAIL, env_id
 
 pytestmark = pytest.mark.timeout(90)
@@ -202,6 +202,27 @@ def test_a_collector_killed_holding_the_ring_lock_is_reported_as_dead():
         assert caught.value.exitcode == -9
     finally:
         runner.close()
+    assert mp.active_children() == []
+
+
+def test_a_collector_stopped_holding_the_ring_lock_is_a_hang_that_says_it_is_stopped():
+    """The learner waited out the ring lock's own 5 s before it looked at the collector, and the report
+    blamed a deadlocked native call after a second spent asking a stopped process for its stacks. The
+    lock wait now checks the collector, and the report says the process is stopped."""
+    import os
+    import signal
+
+    runner = StoppedInTheRingLock(_config("none", hang_timeout_s=1.0, shutdown_timeout_s=2.0))
+    try:
+        with pytest.raises(CollectorHangError) as raised:
+            runner.learn(50, log_dir=None)
+        assert "The process is stopped (SIGSTOP, Ctrl-Z or a debugger)" in raised.value.report
+        assert "faulthandler" not in raised.value.report
+    finally:
+        report = runner.close()
+        if runner.collector_pid is not None and report.still_alive:
+            os.kill(runner.collector_pid, signal.SIGKILL)
+    assert report.forced and not report.still_alive
     assert mp.active_children() == []
 
 

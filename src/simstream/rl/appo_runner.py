@@ -347,7 +347,7 @@ class APPORunner(AsyncRunner):
 
         def poll(slice_s: float) -> list[TakenSlot] | None:
             with ctrl_c_deferred():  # a Ctrl-C between taking slots and noting them would keep them
-                held.extend(ring.take(max_count, min_version))
+                held.extend(ring.take(max_count, min_version, check=self.check_collector))
             if held:
                 return held
             ring.wait_filled(slice_s)

@@ -85,10 +85,18 @@ def format_collector_death(exitcode: int | None, traceback_text: str | None = No
     return f"Collector process exited with code {exitcode} without sending a Python traceback."
 
 
-def format_collector_hang(age_s: float, hang_timeout_s: float, stack_text: str | None) -> str:
-    """Describe a collector that stopped sending heartbeats (it was alive but made no progress)."""
-    report = (
-        f"Collector process hung: no heartbeat for {age_s:.1f} s (hang_timeout_s={hang_timeout_s:g}). "
+def format_collector_hang(
+    age_s: float, hang_timeout_s: float, stack_text: str | None, *, stopped: bool = False
+) -> str:
+    """Describe a collector that stopped sending heartbeats (it was alive but made no progress);
+    ``stopped``: the process is stopped (SIGSTOP, Ctrl-Z, a debugger), which explains it."""
+    report = f"Collector process hung: no heartbeat for {age_s:.1f} s (hang_timeout_s={hang_timeout_s:g}). "
+    if stopped:
+        return report + (
+            "close() terminates it.\nThe process is stopped (SIGSTOP, Ctrl-Z or a debugger): it runs no "
+            "code until it is continued (SIGCONT)."
+        )
+    report += (
         "close() terminates it.\nA deadlocked native call, a blocking read or an endless loop without "
         "heartbeats causes this; raise RunnerConfig.hang_timeout_s if a step is legitimately that slow."
     )

@@ -102,10 +102,12 @@ class RolloutRing:
         return num_slots * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, check_peer: Callable[[], None] | None = None) -> Iterator[None]:
         deadline = time.monotonic() + _LOCK_TIMEOUT_S
 
         def check() -> None:
+            if check_peer is not None:
+                check_peer()
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"RolloutRing lock held for more than {_LOCK_TIMEOUT_S} s by another process: it is "
@@ -175,14 +177,18 @@ class RolloutRing:
         self._freed.release()
 
     # ----------------------------------------------------------------- reader (learner)
-    def take(self, max_count: int, min_version: int | None = None) -> list[TakenSlot]:
-        """Hold up to ``max_count`` READY slots, oldest first (non-blocking).
+    def take(
+        self, max_count: int, min_version: int | None = None, check: Callable[[], None] | None = None
+    ) -> list[TakenSlot]:
+        """Hold up to ``max_count`` READY slots, oldest first (non-blocking but for the lock).
 
         READY slots produced by a policy older than ``min_version`` are freed and counted as stale.
+        ``check`` runs while the writer holds the lock and ends the wait by raising (the runner's check
+        of its collector: one stopped holding the lock is a hang, raised before the lock's own 5 s).
         """
         taken: list[TakenSlot] = []
         freed = 0
-        with self._locked():
+        with self._locked(check):
             ready = (self._meta[:, _STATE] == READY).nonzero().flatten().tolist()
             ready.sort(key=lambda s: int(self._meta[s, _SEQ]))
             for slot in ready:

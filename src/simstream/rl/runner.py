@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any, TypeVar
 
-from .._sync import StopSignal
+from .._sync import StopSignal, process_is_stopped
 from ..errors import CollectorDiedError
 from ..workers.channel import ErrorChannel, describe_exit
 from ..workers.supervisor import (
@@ -263,11 +263,12 @@ class AsyncRunner(ABC):
         from_monitor = record is not None and record.pid == os.getpid()
         if from_monitor and record.type_qualname == "TimeoutError" and record.exitcode is None:
             process = self._process()
-            stack = self._crash_log.dump_stacks(process.pid) if process is not None else ""
+            # a stopped process (SIGSTOP, Ctrl-Z, a debugger) cannot write the stacks it is asked for
+            stopped = process is not None and process_is_stopped(process.pid)
+            stack = self._crash_log.dump_stacks(process.pid) if process is not None and not stopped else ""
             age = self._heartbeat.age_s(0)
-            return CollectorHangError(
-                format_collector_hang(age, self.runner_config.hang_timeout_s, stack), None, stack or None
-            )
+            report = format_collector_hang(age, self.runner_config.hang_timeout_s, stack, stopped=stopped)
+            return CollectorHangError(report, None, stack or None)
         exitcode = self._wait_for_exitcode(0.25)
         if exitcode is None and record is not None:
             exitcode = record.exitcode
