@@ -666,6 +666,31 @@ def test_tasks_whose_indices_do_not_number_their_rows_are_refused(fixture_copy, 
         LeRobotSpec(fixture_copy)
 
 
+@pytest.mark.parametrize("pandas_metadata", [True, False])
+def test_tasks_written_by_lerobot_0_4_with_the_text_as_an_unnamed_index_are_read(
+    fixture_copy, pandas_metadata
+):
+    """lerobot 0.4.x stored the task text as the frame's unnamed index (column ``__index_level_0__``), as
+    many v3.0 datasets on the Hub still have it; lerobot 0.6.1 reads it, and the replay refused it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from simstream.lerobot.dataset import read_dataset_meta
+
+    path = fixture_copy / "meta" / "tasks.parquet"
+    expected = read_dataset_meta(fixture_copy, stats=False).tasks
+    order = list(reversed(range(len(expected))))  # rows in another order than their indices
+    table = pa.table(
+        {"task_index": pa.array(order, pa.int64()), "__index_level_0__": [expected[i] for i in order]}
+    )
+    if pandas_metadata:
+        pandas = {"index_columns": ["__index_level_0__"], "columns": [], "pandas_version": "2.2.3"}
+        table = table.replace_schema_metadata({b"pandas": json.dumps(pandas).encode()})
+    pq.write_table(table, path)
+    assert read_dataset_meta(fixture_copy, stats=False).tasks == expected
+    _read_all(fixture_copy)
+
+
 def _relayout(root: Path, data_path: str, video_path: str) -> None:
     """Move every data and video file to where the templates put them, and name the templates in
     info.json, as a converter with another file layout would have written the dataset."""

@@ -151,6 +151,10 @@ def _language(path: Path, index_name: str, text_name: str, required: bool) -> li
         return []
     table = _read_table(path)
     names = table.column_names
+    if text_name not in names:
+        # lerobot 0.4.x wrote the text as the frame's unnamed index (its datasets are on the Hub); 0.6.1
+        # reads both layouts
+        text_name = next((name for name in _pandas_index_columns(table) if name in names), text_name)
     if index_name not in names or text_name not in names:
         raise LeRobotFormatError(f"{path}: needs columns {index_name!r} and {text_name!r}, has {names}")
     indices = table.column(index_name).to_pylist()
@@ -163,6 +167,15 @@ def _language(path: Path, index_name: str, text_name: str, required: bool) -> li
     order = np.argsort(np.asarray(indices))
     texts = table.column(text_name).to_pylist()
     return [texts[i] for i in order]
+
+
+def _pandas_index_columns(table: Any) -> list[str]:
+    """The columns that pandas stored as the frame's index (``__index_level_0__`` when it was unnamed)."""
+    try:
+        pandas = json.loads((table.schema.metadata or {})[b"pandas"])
+        return [name for name in pandas["index_columns"] if isinstance(name, str)]
+    except (KeyError, TypeError, ValueError):
+        return ["__index_level_0__"]
 
 
 def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
@@ -233,7 +246,13 @@ def read_dataset_meta(root: Path | str, *, stats: bool = True) -> DatasetMeta:
             )
         expected_from = ep["dataset_to_index"]
     tasks = _language(root / "meta" / "tasks.parquet", "task_index", "task", required=bool(episodes))
-    subtasks = _language(root / "meta" / "subtasks.parquet", "subtask_index", "subtask", required=False)
+    # only simstream's segments name subtasks (through segment_id): another layout of the file elsewhere
+    # (lerobot 0.4.x's subtask datasets) is not read
+    subtasks = (
+        _language(root / "meta" / "subtasks.parquet", "subtask_index", "subtask", required=False)
+        if "segment_id" in features
+        else []
+    )
     return DatasetMeta(root, info, episodes, tasks, subtasks)
 
 
