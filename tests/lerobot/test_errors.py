@@ -89,17 +89,29 @@ def test_a_truncated_data_file_after_the_first_is_named_too(tmp_path):
         _read_all(tmp_path / "ds")
 
 
-def test_a_depth_video_feature_is_refused_naming_it(fixture_copy):
+def test_a_depth_video_feature_is_left_out_and_named_when_asked_for(fixture_copy, caplog):
+    """lerobot 0.6.1 writes depth videos: a depth camera refused the whole dataset, its state, actions and
+    RGB cameras included. It is left out now, as string and audio features are."""
+    from simstream.lerobot.spec import KeyMap
+
     info_path = fixture_copy / "meta" / "info.json"
     info = json.loads(info_path.read_text())
     front = info["features"]["observation.images.front"]
     front["shape"] = [1, *front["shape"][1:]] if front["shape"][0] == 3 else [*front["shape"][:2], 1]
     front["info"]["is_depth_map"] = True
     info_path.write_text(json.dumps(info))
+    field = KeyMap(None).field("observation.images.front")
+    with caplog.at_level("WARNING", logger="simstream.lerobot.spec"):
+        spec = LeRobotSpec(fixture_copy)
+    assert field not in spec.fields() and "actions" in spec.fields()
+    assert "'observation.images.front' (a video of shape [1, " in caplog.text
+    _read_all(fixture_copy)
     with pytest.raises(
-        LeRobotFormatError, match=rf"{info_path}: feature 'observation.images.front' .* is not an RGB camera"
+        ValueError,
+        match=rf"fields_subset names \['{field}'\].*'{field}' cannot be streamed: a video of shape \[1, .* "
+        r"not an RGB camera",
     ):
-        LeRobotSpec(fixture_copy)
+        LeRobotSpec(fixture_copy, fields_subset=[field])
 
 
 def test_a_key_holding_a_slash_appends_and_replays(tmp_path):

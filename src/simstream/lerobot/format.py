@@ -247,10 +247,12 @@ def features_from_info(
             if shape[0] != 3 and shape[-1] == 3:  # [H, W, C] as some converters write it
                 shape = (3, shape[0], shape[1])
             if shape[0] != 3 or (spec.get("info") or {}).get("is_depth_map"):
-                raise LeRobotFormatError(
-                    f"{path}: feature {key!r} ({dtype}, shape {list(spec.get('shape') or ())}) is not an RGB "
-                    "camera; only 3-channel images and videos are read (depth maps are not)"
+                # skipped, not refused: the rest of an RGB-D dataset replays (lerobot 0.6.1 writes depth)
+                skipped[key] = (
+                    f"a {dtype} of shape {list(spec.get('shape') or ())} that is not an RGB camera; only "
+                    "3-channel images and videos are read (depth maps are not)"
                 )
+                continue
             features.append(Feature(key, key_map.field(key), dtype, shape))
         elif dtype in _READABLE:
             scalar = len(shape) == 1 and key in scalar_keys and spec.get(FIELD_SHAPE_KEY) != [1]
