@@ -532,3 +532,27 @@ def test_a_learner_state_with_a_shuffle_state_set_state_refuses_restores_nothing
     assert all(torch.equal(before[name], after[name]) for name in before)
     learner.load_state_dict(saved.state_dict())  # a CPU state restores everything
     assert torch.equal(learner._shuffle.get_state(), saved._shuffle.get_state())
+
+
+def test_a_released_ring_holds_no_file_descriptor_or_semaphore():
+    """A closed runner kept for its history (a sweep) held its ring's lock descriptor and two named
+    semaphores until it was collected."""
+    import gc
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def semaphores() -> int:
+        return sum(name.startswith("sem.mp-") for name in os.listdir("/dev/shm"))
+
+    def make() -> RolloutRing:
+        return RolloutRing({"x": ((4,), torch.float32)}, 2, "block", mp.get_context("spawn"))
+
+    make().release()  # what lives as long as the process (the resource tracker's pipe) is opened first
+    gc.collect()
+    fds, sems = open_fds(), semaphores()
+    ring = make()
+    assert open_fds() > fds and semaphores() == sems + 2
+    ring.release()
+    assert open_fds() == fds and semaphores() == sems
+    assert ring.stats().committed == 0  # still answers

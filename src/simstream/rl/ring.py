@@ -242,8 +242,11 @@ class RolloutRing:
     def release(self) -> None:
         """Drop this process's mappings (memory is freed once every process has dropped them).
 
-        The counters keep their last values (as private copies), so :meth:`stats` still answers.
+        The counters keep their last values (as private copies), so :meth:`stats` still answers. The lock
+        (a file descriptor) and the two doorbells (named semaphores) go too: a closed runner kept in a
+        sweep to read its history held them until it was collected.
         """
         self.data = {}
         self._meta = self._meta.clone()
         self._counters = self._counters.clone()
+        self._lock = self._filled = self._freed = None
