@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from numbers import Real
 from pathlib import Path
 
-__all__ = ["require", "require_choice", "require_int", "require_number", "require_writable"]
+__all__ = ["finite_number", "require", "require_choice", "require_int", "require_number", "require_writable"]
 
 
 def require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:
@@ -36,6 +36,17 @@ def require_int(owner: str, name: str, value: object, low: int, high: int | None
     if type(value) is not int or value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+
+
+def finite_number(value: object) -> bool:
+    """A finite real number of any type (Python or NumPy), not a ``bool``; an int too large for a float is
+    not finite (``math.isfinite`` raises ``OverflowError`` on it)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def require_number(
@@ -63,7 +74,7 @@ def require_number(
     """
     if optional and value is None:
         return
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = finite_number(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

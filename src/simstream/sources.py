@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ._seeding import derived_seed
+from ._validation import finite_number
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -311,11 +312,7 @@ class MixSpec:
                 f"MixSpec.weights must hold one weight per spec ({len(specs)}), got {len(weights)}"
             )
         for k, w in enumerate(weights):
-            try:  # an int too large for a float is not finite here
-                finite = not isinstance(w, bool) and isinstance(w, Real) and 0 <= float(w) < float("inf")
-            except OverflowError:
-                finite = False
-            if not finite:
+            if not finite_number(w) or w < 0:
                 raise ValueError(f"MixSpec.weights[{k}] must be a finite number >= 0, got {w!r}")
         total = sum(float(w) for w in weights)  # inf when the weights overflow together
         if not 0 < total < float("inf"):

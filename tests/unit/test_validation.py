@@ -25,6 +25,7 @@ from simstream._validation import require, require_choice, require_int, require_
         pytest.param(math.nan, {"low": 0, "high": 1}, "C.f must be a number in [0, 1], got nan", id="nan"),
         pytest.param(math.inf, {"low": 0}, "C.f must be a finite number >= 0, got inf", id="inf"),
         pytest.param(True, {}, "C.f must be a finite number, got True", id="bool"),
+        pytest.param(10**400, {}, f"C.f must be a finite number, got {10**400!r}", id="int-beyond-float"),
         pytest.param("1", {}, "C.f must be a finite number, got '1'", id="text"),
         pytest.param(
             -1.0, {"low": 0, "optional": True}, "C.f must be None or a finite number >= 0, got -1.0",

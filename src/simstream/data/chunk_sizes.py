@@ -13,6 +13,8 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from .._validation import finite_number
+
 __all__ = ["ChunkSizeSampler", "GMMChunkSampler", "UniformChunkSampler"]
 
 
@@ -87,15 +89,15 @@ class GMMChunkSampler(ChunkSizeSampler):
             raise ValueError("means must not be empty.")
         if len(stds) != len(means):
             raise ValueError(f"stds must have {len(means)} entries like means, got {len(stds)}.")
-        if not all(_finite(m) for m in means):
+        if not all(finite_number(m) for m in means):
             raise ValueError(f"every mean must be finite (a number, not a bool), got {list(means)}.")
-        if not all(_finite(s) and s > 0 for s in stds):
+        if not all(finite_number(s) and s > 0 for s in stds):
             raise ValueError(f"every std must be finite and > 0 (a number, not a bool), got {list(stds)}.")
         if weights is None:
             weights = [1.0] * len(means)
         if len(weights) != len(means):
             raise ValueError(f"weights must have {len(means)} entries like means, got {len(weights)}.")
-        if not all(_finite(w) and w >= 0 for w in weights):
+        if not all(finite_number(w) and w >= 0 for w in weights):
             raise ValueError(
                 f"every weight must be finite and ≥ 0 (a number, not a bool), got {list(weights)}."
             )
@@ -138,16 +140,6 @@ class GMMChunkSampler(ChunkSizeSampler):
             f"GMMChunkSampler(means={self.means}, stds={self.stds}, weights={self.weights}, "
             f"low={self.low}, high={self.high})"
         )
-
-
-def _finite(value: object) -> bool:
-    """A finite real number of any type (Python or NumPy), but not a bool (nor an int beyond floats)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
 
 
 def _checked_seed(seed: object) -> int | None:
