@@ -143,16 +143,8 @@ class ProducerProgress:
         """
         if not self._refill_due(refill_after):
             return
-        deadline = time.monotonic() + _REQUEST_WAIT_S
-
-        def busy() -> None:  # another requester (maybe stopped) holds it: its request coalesces with ours
-            if check is not None:
-                check()
-            if time.monotonic() >= deadline:
-                raise _RequestBusy
-
-        try:
-            with self._request_lock.held(busy, slice_s=_REQUEST_WAIT_S / 4):
+        try:  # another requester (maybe stopped) holds it: its request coalesces with ours
+            with self._request_lock.held(_busy_after_short_wait(check), slice_s=_REQUEST_WAIT_S / 4):
                 if self._refill_due(refill_after):
                     self._shared[1] = self.sampled_total()
                     self._shared[0] = self.requested_generation + 1
@@ -246,16 +238,11 @@ class ProducerProgress:
         and goes in with a later one."""
         with self._local:
             self._unrecorded += count
-        deadline = time.monotonic() + _REQUEST_WAIT_S
-
-        def busy() -> None:
-            if check is not None:
-                check()
-            if time.monotonic() >= deadline:
-                raise _RequestBusy
-
         try:
-            with self._overflow_lock.held(busy, slice_s=_REQUEST_WAIT_S / 4), self._local:
+            with (
+                self._overflow_lock.held(_busy_after_short_wait(check), slice_s=_REQUEST_WAIT_S / 4),
+                self._local,
+            ):
                 self._sampled[_CONSUMER_ROWS] += self._unrecorded
                 self._unrecorded = 0
         except _RequestBusy:
@@ -293,3 +280,16 @@ class ProducerProgress:
 
 class _RequestBusy(Exception):
     """The request lock (or the overflow row's) stayed taken past a sample's short wait."""
+
+
+def _busy_after_short_wait(check: Callable[[], None] | None) -> Callable[[], None]:
+    """A lock wait's check for a sample: ``check``, then ``_RequestBusy`` once ``_REQUEST_WAIT_S`` passed."""
+    deadline = time.monotonic() + _REQUEST_WAIT_S
+
+    def busy() -> None:
+        if check is not None:
+            check()
+        if time.monotonic() >= deadline:
+            raise _RequestBusy
+
+    return busy
