@@ -90,15 +90,18 @@ def format_collector_hang(
 ) -> str:
     """Describe a collector that stopped sending heartbeats (it was alive but made no progress);
     ``stopped``: the process is stopped (SIGSTOP, Ctrl-Z, a debugger), which explains it."""
-    report = f"Collector process hung: no heartbeat for {age_s:.1f} s (hang_timeout_s={hang_timeout_s:g}). "
+    report = (
+        f"Collector process hung: no heartbeat for {age_s:.1f} s (hang_timeout_s={hang_timeout_s:g}). "
+        "close() terminates it.\n"
+    )
     if stopped:
         return report + (
-            "close() terminates it.\nThe process is stopped (SIGSTOP, Ctrl-Z or a debugger): it runs no "
-            "code until it is continued (SIGCONT)."
+            "The process is stopped (SIGSTOP, Ctrl-Z or a debugger): it runs no code until it is continued "
+            "(SIGCONT)."
         )
     report += (
-        "close() terminates it.\nA deadlocked native call, a blocking read or an endless loop without "
-        "heartbeats causes this; raise RunnerConfig.hang_timeout_s if a step is legitimately that slow."
+        "A deadlocked native call, a blocking read or an endless loop without heartbeats causes this; raise "
+        "RunnerConfig.hang_timeout_s if a step is legitimately that slow."
     )
     if stack_text and stack_text.strip():
         report += f"\nIts Python stacks when it was stopped (faulthandler):\n{stack_text.rstrip()}"
