@@ -300,9 +300,9 @@ class WorkerSupervisor:
 
     @property
     def processes(self) -> dict[str, mp.process.BaseProcess]:
-        """The workers by label, for their ``pid`` and ``sentinel``. Read an exit status through
-        :meth:`wait_exited` or :meth:`dead_workers`, never a process's own ``join()`` or ``exitcode``: a
-        ``forkserver`` status can be read once, and a second reader racing the monitor thread gets 255."""
+        """The workers by label. Their exit statuses are safe to read from any thread (see
+        :func:`_read_exit_status_once`); :meth:`wait_exited` and :meth:`dead_workers` read them without
+        racing a shutdown that closes the processes."""
         return dict(self._processes)
 
     def wait_exited(self, label: str, timeout_s: float) -> int | None:
