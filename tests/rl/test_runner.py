@@ -45,6 +45,26 @@ def test_toy_runner_lifecycle_context_manager_and_idempotent_close():
         runner.learn(1)
 
 
+def _lock_files() -> int:
+    """This process's descriptors of simstream's shared-lock files (memfds named ``simstream-lock``)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:simstream-lock")
+        except FileNotFoundError:  # closed meanwhile (the listing's own descriptor, a thread's file)
+            pass
+    return count
+
+
+def test_a_closed_runner_that_is_kept_holds_no_lock_file_of_its_collector():
+    before = _lock_files()
+    runner = ToyRunner()
+    runner.learn(2)
+    assert _lock_files() > before  # the error channel's lock, at least
+    runner.close()
+    assert _lock_files() == before and runner.collector_pid is None
+
+
 def test_ctrl_c_is_left_to_the_learner():
     """SIGINT goes to the whole process group; the collector ignores it and stops through close()."""
     import signal

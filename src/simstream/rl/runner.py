@@ -209,6 +209,7 @@ class AsyncRunner(ABC):
 
     @property
     def collector_pid(self) -> int | None:
+        """The collector process's pid while it is started; ``None`` before and after :meth:`close`."""
         process = self._process()
         return None if process is None else process.pid
 
@@ -362,6 +363,9 @@ class AsyncRunner(ABC):
         released, errors = self._release_resources()
         if self._crash_log is not None:
             self._crash_log.cleanup()
+        # a closed runner the user keeps must not keep the channel's lock file (a descriptor) or the
+        # heartbeat's shared memory: nothing reads them after close (check_collector returns at once)
+        self._channel = self._heartbeat = self._supervisor = None
         self.last_close_report = CloseReport(exitcode, forced, still_alive, released, failure, tuple(errors))
         return self.last_close_report
 
