@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from simstream._runs import FOLDER_NAME_RULE
 from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, RunnerConfig
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
@@ -610,9 +611,10 @@ def test_cli_sigterm_while_the_collector_closes_lets_close_finish_and_exits_143(
         (["--learner-num-threads", "100000"], "APPOConfig.learner_num_threads must be an int in [0, "),
         (["--gamma", "1.5"], "APPOConfig.gamma must be a number in [0, 1], got 1.5 (option --gamma)"),
         (["--runner.hang-timeout-s", "0"], "RunnerConfig.hang_timeout_s must be a number in (0, 1e6]"),
-        (["--name", ".."], "--name must be a folder name without '/', got '..'"),
-        (["--name", ""], "--name must be a folder name without '/', got ''"),
-        (["--name", "a/b"], "--name must be a folder name without '/', got 'a/b'"),
+        (["--name", ".."], f"--name must be {FOLDER_NAME_RULE}, got '..'"),
+        (["--name", ""], f"--name must be {FOLDER_NAME_RULE}, got ''"),
+        (["--name", "a/b"], f"--name must be {FOLDER_NAME_RULE}, got 'a/b'"),
+        (["--name", "x" * 256], f"--name must be {FOLDER_NAME_RULE}, got 'xxx"),
         (  # it failed in the first learn(), with the allocator's message, after the run folder was made
             ["--steps-per-rollout", "100000000", "--minibatch-size", "64"],
             "a rollout ring of num_slots=4 rollouts of num_envs=16 x steps_per_rollout=100000000 frames",
@@ -648,13 +650,18 @@ def test_cli_refuses_a_run_name_that_holds_a_run_unless_it_resumes_from_it(tmp_p
 
 
 def test_default_run_names_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
-    """Two runs without --name in one second got one name; the second was refused for a --name never given."""
+    """Two runs without --name in one second got one name; the second was refused for a --name never given
+    (rl), or both wrote into one folder (demo). The folder is claimed with the name, so neither can happen."""
     from simstream import _runs
 
     monkeypatch.setattr(_runs.time, "strftime", lambda fmt: "20261204-120000")
-    assert _runs.new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000"
-    (tmp_path / "Hopper-v5-async-20261204-120000").mkdir()
-    assert _runs.new_run_name(str(tmp_path), "Hopper-v5-async") == "Hopper-v5-async-20261204-120000-2"
+    runs = tmp_path / "runs"  # created with the first run's folder
+    assert _runs.claim_run_folder(runs, "Hopper-v5-async") == "Hopper-v5-async-20261204-120000"
+    assert _runs.claim_run_folder(runs, "Hopper-v5-async") == "Hopper-v5-async-20261204-120000-2"
+    assert sorted(p.name for p in runs.iterdir()) == [
+        "Hopper-v5-async-20261204-120000",
+        "Hopper-v5-async-20261204-120000-2",
+    ]
 
 
 def test_cli_reports_an_env_package_whose_own_import_fails_as_that_failure(tmp_path, capsys, monkeypatch):

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .._runs import new_run_name
-from .._validation import require_writable
+from .._runs import claim_run_folder
+from .._validation import require, require_writable
 from ..engine.lifecycle import start_forkserver
 from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
@@ -154,6 +154,15 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     _check_run_folder(cfg)
     engine_cfg = engine_config(cfg)
     layout = engine_cfg.validate()
+    if (
+        cfg.dataset is not None
+    ):  # the rows are as long as the dataset's longest episode, not max_episode_steps
+        for name in ("history", "horizon"):
+            require(
+                getattr(cfg, name) <= layout.max_episode_steps, "DemoConfig", name,
+                f"at most {layout.max_episode_steps}, the frames of the longest episode of the dataset",
+                getattr(cfg, name),
+            )  # fmt: skip
     check_shared_memory(engine_cfg, layout)
     _check_batch_fits(cfg, engine_cfg, layout)
     if cfg.dataset is not None:
@@ -206,11 +215,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from simstream import OnlineDataEngine
 
     began = time.monotonic()
-    name = cfg.name or new_run_name(cfg.runs_dir, "demo")
-    run_dir = Path(cfg.runs_dir) / name
     engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source
-    run_dir.mkdir(parents=True, exist_ok=True)  # new, or empty (check_demo_setup)
+    if cfg.name is None:  # created here: two runs started in the same second get two folders
+        name = claim_run_folder(cfg.runs_dir, "demo")
+    else:
+        name = cfg.name
+        (Path(cfg.runs_dir) / name).mkdir(parents=True, exist_ok=True)  # new, or empty (check_demo_setup)
+    run_dir = Path(cfg.runs_dir) / name
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     policy_config = cfg.policy_config
@@ -224,8 +236,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     try:
         engine = OnlineDataEngine(engine_cfg)
-        recorder = demo_recorder(engine, cfg)  # --record: the live stream into a LeRobot dataset
+        recorder = None
         try:
+            recorder = demo_recorder(engine, cfg)  # --record: the live stream into a LeRobot dataset
             startup_s = start_with_progress(
                 engine, cfg.buffer_size, timeout_s=engine_cfg.initialization_timeout
             )

@@ -19,7 +19,7 @@ from typing import Annotated
 
 import tyro
 
-from simstream._runs import is_folder_name, new_run_name
+from simstream._runs import FOLDER_NAME_RULE, claim_run_folder, is_folder_name
 from simstream.rl.config import APPOConfig
 
 from ._report import EXIT_TERMINATED, sigterm_as_ctrl_c
@@ -73,7 +73,7 @@ class RLArgs:
             raise ValueError(f"--target-return must be None or a finite number, got {target!r}.")
         name = self.name
         if name is not None and not is_folder_name(name):
-            raise ValueError(f"--name must be a folder name without '/', got {name!r}.")
+            raise ValueError(f"--name must be {FOLDER_NAME_RULE}, got {name!r}.")
 
 
 def main(argv: list[str]) -> int:
@@ -117,15 +117,18 @@ def run(args: RLArgs) -> int:
 
     cfg = args.ppo
     mode = cfg.mode
-    name = args.name or new_run_name(args.runs_dir, f"{cfg.env_id.split(':')[-1]}-{mode}")
-    run_dir = os.path.join(args.runs_dir, name)
+    # an unnamed run's folder is claimed (created) once the options are known to be good
+    name = args.name
+    run_dir = None if name is None else os.path.join(args.runs_dir, name)
     # bad options end here, with exit code 2 and nothing created on disk
     if args.resume is not None and not os.path.isfile(args.resume):
         return _bad_option(f"--resume {args.resume!r} is not a checkpoint file.")
-    continuing = args.resume is not None and os.path.dirname(
-        os.path.realpath(args.resume)
-    ) == os.path.realpath(run_dir)
-    if os.path.isdir(run_dir) and os.listdir(run_dir) and not continuing:
+    continuing = (
+        run_dir is not None
+        and args.resume is not None
+        and os.path.dirname(os.path.realpath(args.resume)) == os.path.realpath(run_dir)
+    )
+    if run_dir is not None and os.path.isdir(run_dir) and os.listdir(run_dir) and not continuing:
         return _bad_option(
             f"--name: {run_dir!r} already holds a run (its logs and checkpoints would mix with this one's); "
             "choose another --name, or --resume from a checkpoint in it to continue that run"
@@ -146,10 +149,15 @@ def run(args: RLArgs) -> int:
         print(f"simstream rl: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     try:
-        os.makedirs(run_dir, exist_ok=True)
+        if name is None:
+            name = claim_run_folder(args.runs_dir, f"{cfg.env_id.split(':')[-1]}-{mode}")
+            run_dir = os.path.join(args.runs_dir, name)
+        else:
+            os.makedirs(run_dir, exist_ok=True)
     except OSError as error:
         runner.close()
-        return _bad_option(f"--runs-dir/--name: cannot create {run_dir!r}: {error}")
+        where = args.runs_dir if run_dir is None else run_dir
+        return _bad_option(f"--runs-dir/--name: cannot create {where!r}: {error}")
     print(f"simstream rl: {mode} PPO on {cfg.env_id}, {cfg.num_envs} envs; writing to {run_dir}", flush=True)
     bar = _Bar(args.max_env_frames) if args.progress else None
     code = 0
