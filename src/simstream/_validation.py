@@ -13,7 +13,19 @@ from collections.abc import Iterable
 from numbers import Real
 from pathlib import Path
 
-__all__ = ["finite_number", "require", "require_choice", "require_int", "require_number", "require_writable"]
+__all__ = [
+    "MAX_TORCH_THREADS",
+    "finite_number",
+    "require",
+    "require_choice",
+    "require_int",
+    "require_number",
+    "require_writable",
+]
+
+MAX_TORCH_THREADS = 256
+"""Most torch threads a command takes (``--num-threads``, ``--idle-threads``): far past this, OpenMP is
+asked for threads no machine has, and past a C int ``torch.set_num_threads`` fails naming no option."""
 
 
 def require(ok: bool, owner: str, name: str, accepted: str, value: object, consequence: str = "") -> None:

@@ -177,8 +177,10 @@ def test_normalizer_uses_valid_frames_and_targets_only():
 @pytest.mark.parametrize(
     ("name", "value", "accepted"),
     [
-        ("history", 0, ">= 1"),
-        ("horizon", 0, ">= 1"),
+        ("history", 0, "in [1, 1024]"),
+        ("horizon", 0, "in [1, 1024]"),
+        ("history", 100_000, "in [1, 1024]"),  # accepted: a 5 GiB first layer before a weight was checked
+        ("horizon", 1025, "in [1, 1024]"),
         ("hidden", 2, "in [8, 8192]"),
         ("hidden", 10_000_000, "in [8, 8192]"),  # failed in the allocator after 30 s, a run folder made
         ("layers", 0, "in [1, 32]"),
@@ -356,6 +358,32 @@ def test_evaluation_runs_many_seeds_in_bounded_groups_with_the_same_results(monk
 
 
 # ---------------------------------------------------------------------------------------- checkpoint, config
+def test_an_interrupted_save_keeps_the_checkpoint_that_was_there(tmp_path, monkeypatch):
+    """The demo saves twice into one file (before and after its final evaluation); a save cut short wrote
+    over the first one in place and left a truncated file."""
+    from simstream.bc import checkpoint as checkpoint_module
+
+    policy = ChunkPolicy(PolicyConfig(history=1, horizon=4, hidden=16, layers=1, text_dim=8))
+    saved = PolicyCheckpoint(policy, HashedTextEmbedding(8), "pick_place", RolloutConfig())
+    path = save_checkpoint(tmp_path / "c.pt", saved)
+    before = path.read_bytes()
+    real_save = checkpoint_module.torch.save
+
+    def cut_short(payload, target):
+        real_save(payload, target)
+        with open(target, "r+b") as file:
+            file.truncate(100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", cut_short)
+    saved.info = {"success_rate": 0.5}
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, saved)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+    monkeypatch.undo()
+    assert load_checkpoint(path).info == {}
+
+
 def test_checkpoint_round_trip(tmp_path):
     policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
     embed = HashedTextEmbedding(8)
@@ -490,6 +518,11 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path)
         ({"buffer_size": 1, "num_workers": 2}, "DemoConfig.buffer_size must be >= num_workers (2), got 1"),
         ({"idle_threads": -1}, "DemoConfig.idle_threads must be an int in [0, 256], got -1"),
         ({"idle_threads": 257}, "DemoConfig.idle_threads must be an int in [0, 256], got 257"),
+        # torch.set_num_threads failed after the run folder was made, naming no option ("Overflow when ...")
+        ({"num_threads": 2**40}, f"DemoConfig.num_threads must be an int in [1, 256], got {2**40}"),
+        ({"num_threads": 0}, "DemoConfig.num_threads must be an int in [1, 256], got 0"),
+        ({"name": "a\0b"}, "DemoConfig.name must be a folder name (not empty, '.' or '..', no '/' or NUL"),
+        ({"name": "n" * 256}, "DemoConfig.name must be a folder name (not empty, '.' or '..', no '/' or NUL"),
         ({"ema_decay": 1.0}, "DemoConfig.ema_decay must be a number in [0, 1), got 1.0"),
         ({"ema_decay": -0.1}, "DemoConfig.ema_decay must be a number in [0, 1), got -0.1"),
         ({"ema_decay": float("nan")}, "DemoConfig.ema_decay must be a number in [0, 1), got nan"),
@@ -660,6 +693,41 @@ def test_training_with_a_weight_average_ends_with_the_average_in_the_policy(monk
     assert all(torch.equal(state[key], value) for key, value in kept["averaged"].module.state_dict().items())
     assert not torch.equal(state["head.weight"], last["head.weight"])  # the average, not the last weights
     assert torch.equal(state["target_std"], last["target_std"])  # constant buffers stay as fitted
+
+
+def test_training_that_fails_while_it_sets_up_leaves_no_prefetch_thread(monkeypatch):
+    """The batch prefetcher (a thread that starts sampling at once) was made first, and a failure in the
+    steps after it, before the try that closes it, left the thread sampling the engine."""
+    import threading
+    import time
+
+    from simstream.bc import train as training
+
+    sampled, release = [], threading.Event()
+
+    class _Engine:
+        language_registry = _Registry()
+
+        def sample_batch_with_context(self, *args, **kwargs):
+            sampled.append(args)
+            release.wait(10.0)  # a sampler waiting for data, as a real one does
+            raise RuntimeError("no data")
+
+    def no_stats(engine, batch_size):
+        raise RuntimeError("get_stats failed")
+
+    monkeypatch.setattr(training, "_StreamMeter", no_stats)
+    cfg = DemoConfig(steps=2, batch_size=4, hidden=16, layers=1, text_dim=8, eval_episodes_during=0)
+    policy = ChunkPolicy(cfg.policy_config)
+    try:
+        with pytest.raises(RuntimeError, match="get_stats failed"):
+            training.train_policy(
+                _Engine(), policy, HashedTextEmbedding(8), cfg, deadline=time.monotonic() + 9
+            )
+        threads = [thread for thread in threading.enumerate() if thread.name == "simstream-batch-prefetch"]
+        assert threads == [] and sampled == []
+    finally:
+        release.set()
 
 
 def test_a_renderer_that_cannot_be_made_leaves_no_simulator_or_renderer_open(monkeypatch):

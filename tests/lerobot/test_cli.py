@@ -191,6 +191,12 @@ def test_demo_refuses_datasets_that_do_not_fit_before_making_a_run_folder(tmp_pa
     assert f"{stack}/meta/info.json: the dataset's features do not match the recording's (" in message
     message = refused("--task", "stack", "--dataset", str(stack), "--record", str(stack))
     assert "DemoConfig.record must not be the dataset the demo replays" in message
+    # rows as long as the dataset's one episode, shorter than max_episode_steps (200): it failed once the
+    # producers ran, naming the engine's prediction_horizon
+    frames = read_dataset_meta(stack).episodes[0]["length"]
+    message = refused("--task", "stack", "--dataset", str(stack), "--horizon", "200")
+    longest = f"at most {frames}, the frames of the longest episode of the dataset, got 200"
+    assert f"DemoConfig.horizon must be {longest}" in message
     (runs / "taken").mkdir(parents=True)
     (runs / "taken" / "report.md").write_text("an earlier run")
     assert simstream(["demo", *TINY_DEMO, "--runs-dir", str(runs), "--name", "taken"]) == 2

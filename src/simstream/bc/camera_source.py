@@ -4,7 +4,7 @@
 the front and the gripper from the wrist), so this source writes one ``uint8 [3, S, S]`` field per camera,
 ``obs/images/<camera>`` (LeRobot's ``observation.images.<camera>``), next to the usual low-dimensional fields.
 ``obs/objects`` (the cube poses) stays in the buffer for diagnostics; the vision policy never reads it
-(:data:`simstream.bc.vision.POLICY_KEYS`).
+(:func:`simstream.bc.vision.policy_keys`).
 """
 
 from __future__ import annotations

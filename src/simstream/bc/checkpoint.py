@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ class PolicyCheckpoint:
 
 
 def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
-    """Write ``checkpoint`` to ``path`` (parent folders are created); returns the path."""
+    """Write ``checkpoint`` to ``path`` (parent folders are created); returns the path.
+
+    The file is written beside ``path`` and renamed over it, so an interrupted save (a Ctrl-C, a full disk)
+    leaves the checkpoint that was there before, never a truncated one.
+    """
     path = Path(path)
     _check_embedding(path, checkpoint.embedding, checkpoint.policy.config.text_dim)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +52,12 @@ def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
         "rollout": _plain(dataclasses.asdict(checkpoint.rollout), "rollout"),
         "info": _plain(checkpoint.info, "info"),
     }
-    torch.save(payload, path)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        torch.save(payload, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .._runs import is_folder_name
-from .._validation import require, require_int, require_number
+from .._runs import FOLDER_NAME_RULE, is_folder_name
+from .._validation import MAX_TORCH_THREADS, require, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
-from .policy import NETWORK_SIZE_BOUNDS, PolicyConfig
+from .policy import MAX_CONTEXT_STEPS, NETWORK_SIZE_BOUNDS, PolicyConfig
 from .vision import MAX_CHANNELS, OBJECT_DIM, VisionPolicyConfig
 
 __all__ = ["QUICK_OVERRIDES", "QUICK_VISION_OVERRIDES", "VISION_OVERRIDES", "DemoConfig"]
@@ -149,11 +149,11 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "buffer_size", "num_workers", "steps", "batch_size", "num_threads", "eval_every",
-            "eval_episodes",
+            "buffer_size", "num_workers", "steps", "batch_size", "eval_every", "eval_episodes",
         )  # fmt: skip
         for name in positive:
             require_int("DemoConfig", name, getattr(self, name), 1)
+        require_int("DemoConfig", "num_threads", self.num_threads, 1, MAX_TORCH_THREADS)
         # the scripted experts take up to ~80 steps (150 seeds per task); shorter rows cannot hold a success
         require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
         if self.record is not None and Path(self.record).is_file():
@@ -171,12 +171,14 @@ class DemoConfig:
                 "replayed episodes would be appended to it again and again; record into another folder"
             )
         for name in ("history", "horizon"):  # a context spans history + horizon - 1 frames of one row
-            require_int("DemoConfig", name, getattr(self, name), 1, self.max_episode_steps)
+            require_int(
+                "DemoConfig", name, getattr(self, name), 1, min(self.max_episode_steps, MAX_CONTEXT_STEPS)
+            )
         if self.ensemble_decay is None and type(self.execute_steps) is int:  # chunks hold horizon actions
             require_int("DemoConfig", "execute_steps", self.execute_steps, 1, self.horizon)
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
-        require_int("DemoConfig", "idle_threads", self.idle_threads, 0, 256)
+        require_int("DemoConfig", "idle_threads", self.idle_threads, 0, MAX_TORCH_THREADS)
         require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
         self.engine_backend  # noqa: B018  (validates backend and ray_address)
         for name in ("lr", "time_limit_s"):
@@ -204,7 +206,7 @@ class DemoConfig:
             self.name is None or is_folder_name(self.name),
             "DemoConfig",
             "name",
-            "a folder name without '/'",
+            FOLDER_NAME_RULE,
             self.name,
         )
         from simstream.tasks import get_task

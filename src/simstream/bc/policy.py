@@ -131,10 +131,17 @@ class PolicyConfig:
     """Width of the instruction embedding."""
 
     def __post_init__(self) -> None:
-        for name, low, high in (("history", 1, None), ("horizon", 1, None), *NETWORK_SIZE_BOUNDS):
+        for name, low, high in (
+            ("history", 1, MAX_CONTEXT_STEPS),
+            ("horizon", 1, MAX_CONTEXT_STEPS),
+            *NETWORK_SIZE_BOUNDS,
+        ):
             require_int("PolicyConfig", name, getattr(self, name), low, high)
 
 
+MAX_CONTEXT_STEPS = 1024
+"""Longest ``history`` and ``horizon``: the first layer's width and the head's grow with them (a history of
+10**5 frames asked for a 5 GiB network before a single weight was checked)."""
 NETWORK_SIZE_BOUNDS = (("hidden", 8, 8192), ("layers", 1, 32), ("text_dim", 8, 4096))
 """Accepted ``(field, low, high)`` of a policy's sizes: past these a network no longer fits the memory
 of a machine this demo runs on (``--hidden 10000000`` failed in the allocator after 30 s)."""

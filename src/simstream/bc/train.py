@@ -134,7 +134,8 @@ def fit_normalizer(
     instructions: InstructionTable,
     generator: torch.Generator,
 ) -> int:
-    """Fit the policy's normalisation on 8192 contexts of the first generation; returns the count."""
+    """Fit the policy's normalisation on 8192 contexts sampled from the buffer now (the first generation,
+    and whatever the producers refilled meanwhile); returns the count."""
     data = batch_sampler(engine, policy, instructions, 8192, generator, images=False)()
     if isinstance(policy, VisionPolicy):
         objects = data.object_targets
@@ -241,9 +242,9 @@ def train_policy(
         def sample_pinned() -> Any:
             return sample().apply(torch.Tensor.pin_memory)
 
-        prefetcher = BatchPrefetcher(sample_pinned)
+        fetch = sample_pinned
     else:
-        prefetcher = BatchPrefetcher(sample)
+        fetch = sample
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     averaged = weight_average(policy, cfg.ema_decay)
     evaluated = policy if averaged is None else averaged.module
@@ -256,6 +257,8 @@ def train_policy(
     budget_s = max(deadline - began, 1e-3)
     rates: dict[str, float] | None = None  # none measured until the first window ends
     bar = tqdm(total=cfg.steps, desc="training", unit="step", dynamic_ncols=True)
+    # its thread starts sampling at once: created last, right before the try that closes it
+    prefetcher = BatchPrefetcher(fetch)
     try:
         for step in range(1, cfg.steps + 1):
             policy.train()

@@ -3,7 +3,7 @@
 The policy never sees an object pose. Its input per frame is one ``uint8 [3, S, S]`` image per camera
 (``obs/images/<camera>``) and the robot's proprioception (joint positions, finger openings, gripper pose:
 ``obs/state`` without the joint velocities, see :func:`simstream.bc.policy.observation_features`); the
-instruction enters as its hashed embedding. :data:`POLICY_KEYS` is what the trainer asks the engine to copy,
+instruction enters as its hashed embedding. :func:`policy_keys` is what the trainer asks the engine to copy,
 so ``obs/objects`` never even leaves shared memory on the training side.
 
 Each camera has its own small conv encoder (4 convolutions, GroupNorm, the instruction scaling and shifting
@@ -35,6 +35,7 @@ from .policy import (
     _NUM_CUBES,
     _TCP,
     ACTION_DIM,
+    MAX_CONTEXT_STEPS,
     NETWORK_SIZE_BOUNDS,
     NUM_JOINTS,
     absolute_actions,
@@ -170,7 +171,8 @@ class VisionPolicyConfig:
             "VisionPolicyConfig", "cameras", f"a nonempty tuple of distinct cameras from {CAMERAS}", cameras,
         )  # fmt: skip
         require_int("VisionPolicyConfig", "image_size", self.image_size, 16, 512)
-        for name, low, high in (("history", 1, None), ("horizon", 1, None), *NETWORK_SIZE_BOUNDS,
+        for name, low, high in (("history", 1, MAX_CONTEXT_STEPS), ("horizon", 1, MAX_CONTEXT_STEPS),
+                                *NETWORK_SIZE_BOUNDS,
                                 ("channels", 8, MAX_CHANNELS), ("keypoints", 1, 1024)):  # fmt: skip
             require_int("VisionPolicyConfig", name, getattr(self, name), low, high)
         require_int("VisionPolicyConfig", "shift", self.shift, 0, self.image_size // 4)

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import tyro
 
-from .._validation import require, require_int, require_number, require_writable
+from .._validation import MAX_TORCH_THREADS, require, require_int, require_number, require_writable
 from ._report import exit_code, options_checked
 
 __all__ = ["EvalArgs", "main", "run_eval"]
@@ -61,8 +61,9 @@ class EvalArgs:
     policy ran 10x faster on 1 thread than on 2 (threads waiting for each other on every op)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1), ("num_threads", 1)):
+        for name, low in (("episodes", 1), ("video_episodes", 1), ("fps", 1)):
             require_int("EvalArgs", name, getattr(self, name), low)
+        require_int("EvalArgs", "num_threads", self.num_threads, 1, MAX_TORCH_THREADS)
         require_int("EvalArgs", "image_size", self.image_size, 16, 2048)  # the renderer's range
         if self.execute_steps is not None:
             require_int("EvalArgs", "execute_steps", self.execute_steps, 1)
