@@ -309,3 +309,15 @@ def test_tables_written_for_many_rows_at_once_equal_each_rows_segment_tables(lay
         "longest_point_run",
     ):
         assert torch.equal(getattr(together.index, name), getattr(alone.index, name)), name
+
+
+def test_tables_written_again_for_a_row_leave_nothing_of_the_first_layout():
+    """A row's second tables (no accepted segment, no boundary) left the first's longest runs behind, which
+    kept the row eligible for segment and boundary chunks it cannot serve."""
+    harness = Harness(rows=1, steps=40)
+    harness.index.begin_write(0, 1)
+    harness.index.write_tables(0, segment_row_tables(20, [(0, 8, True), (8, 20, True)]))
+    assert int(harness.index.longest_run[1, 0]) == 12 and int(harness.index.longest_point_run[0]) > 0
+    harness.index.write_tables(0, segment_row_tables(20, [(0, 20, False)]))
+    assert int(harness.index.num_runs[1, 0]) == 0 and int(harness.index.longest_run[1, 0]) == 0
+    assert int(harness.index.num_points[0]) == 0 and int(harness.index.longest_point_run[0]) == 0

@@ -164,16 +164,17 @@ class EligibilityIndex:
         for mode, runs in enumerate(tables.runs):
             n = len(runs)
             a["num_runs"][mode, row] = n
+            # written even without runs: a value left from an earlier layout would keep the row eligible
+            a["longest_run"][mode, row] = (runs[:, 1] - runs[:, 0]).max() if n else 0
             if n:
                 a["run_lo"][mode, row, :n] = runs[:, 0]
                 a["run_hi"][mode, row, :n] = runs[:, 1]
-                a["longest_run"][mode, row] = (runs[:, 1] - runs[:, 0]).max()
         points = tables.boundaries
         m = len(points)
         a["num_points"][row] = m
+        a["longest_point_run"][row] = (points[:, 2] - points[:, 1]).max() if m else 0
         if m:
             a["point"][:, row, :m] = points.T
-            a["longest_point_run"][row] = (points[:, 2] - points[:, 1]).max()
         a["valid"][row] = tables.valid_frames
 
     def write_segment_tables(self, rows: np.ndarray, lengths: np.ndarray, spans: np.ndarray) -> None:
