@@ -126,6 +126,23 @@ def test_in_process_dataset_without_a_seed_draws_a_fresh_stream_per_iterator():
         assert torch.equal(next(iter(dataset))["obs"], first["obs"])
 
 
+def test_torch_manual_seed_makes_an_unseeded_chunk_size_sampler_reproducible_and_keeps_a_seeded_ones_draws():
+    """An unseeded sampler kept its own OS-seeded generator in the main process: chunk sizes changed from
+    run to run although torch.manual_seed fixed everything else."""
+
+    def sizes(sampler) -> list[int]:
+        torch.manual_seed(5)
+        batches = iter(OnlineDataset(engine, chunk_size=sampler, batch_size=2))
+        return [next(batches).batch_size[1] for _ in range(12)]
+
+    with OnlineDataEngine(make_cfg(refill_policy="manual", buffer_size=8)) as engine:
+        first, second = sizes(UniformChunkSampler(1, 6)), sizes(UniformChunkSampler(1, 6))
+        assert first == second and len(set(first)) > 1
+        own = UniformChunkSampler(1, 6, seed=9)
+        expected = UniformChunkSampler(1, 6, seed=9)
+        assert sizes(own) == [expected() for _ in range(12)]
+
+
 def test_dataset_argument_errors():
     with pytest.raises(TypeError, match="chunk_size must be an int or a ChunkSizeSampler, got str"):
         OnlineDataset(None, chunk_size="4")

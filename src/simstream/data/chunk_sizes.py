@@ -23,6 +23,9 @@ class ChunkSizeSampler(ABC):
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(_checked_seed(seed))
+        self._seeded_by_user = seed is not None
+        """``OnlineDataset`` without a seed of its own keeps a seeded sampler's draws in the main process,
+        and reseeds an unseeded one from torch's RNG, so ``torch.manual_seed`` covers chunk sizes too."""
 
     def seed(self, seed: int | None) -> None:
         """Reseed (``DataLoader`` workers call this with a per-worker seed).

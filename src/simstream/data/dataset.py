@@ -71,7 +71,8 @@ class OnlineDataset(IterableDataset):
         seed: Base seed; iterator ``i`` (``DataLoader`` worker ``i``) uses ``seed + i``, so every epoch
             replays the same draws. ``None``: a fresh stream per iterator, drawn from torch's global RNG
             of the process that iterates (``DataLoader`` seeds each worker's; a persistent worker's
-            moves on from epoch to epoch), so ``torch.manual_seed`` makes a run reproducible.
+            moves on from epoch to epoch), so ``torch.manual_seed`` makes a run reproducible, chunk sizes
+            included (a :class:`ChunkSizeSampler` given a seed of its own keeps it in the main process).
         item_block: Chunks fetched per selection in item mode. With per-episode quotas a fetch is charged
             whole, before its chunks are yielded: chunks fetched but never consumed still count. Use
             ``item_block=1`` for exact accounting.
@@ -152,8 +153,11 @@ class OnlineDataset(IterableDataset):
         # not initial_seed(), which never changes in one process, so a persistent worker (or the trainer
         # itself, without workers) replayed the same draws every epoch
         base = self.seed if self.seed is not None else int(torch.randint(2**62, (), dtype=torch.int64))
-        if isinstance(self.chunk_size, ChunkSizeSampler) and (self.seed is not None or info is not None):
-            self.chunk_size.seed(base + worker)
+        sampler = self.chunk_size
+        if isinstance(sampler, ChunkSizeSampler) and (
+            self.seed is not None or info is not None or not getattr(sampler, "_seeded_by_user", False)
+        ):
+            sampler.seed(base + worker)
         return torch.Generator().manual_seed((base + worker) % 2**63)
 
     def __iter__(self) -> Iterator[object]:
