@@ -174,7 +174,10 @@ class OnlineDataEngineCfg:
                 f"max_generation_attempts must be at least 1, got {self.max_generation_attempts}."
             )
         if type(self.language_buffer_bytes) is not int or self.language_buffer_bytes < 1:
-            raise ValueError("language_buffer_bytes must be a positive integer")
+            raise ValueError(
+                "language_buffer_bytes must be a positive integer (an int in "
+                f"[1, {MAX_LANGUAGE_BYTES}]), got {self.language_buffer_bytes!r}"
+            )
         _require_at_most(
             "language_buffer_bytes",
             self.language_buffer_bytes,
@@ -212,7 +215,10 @@ class OnlineDataEngineCfg:
         if capacity:
             initial = self.initial_fill_records(layout.num_envs)
             if capacity < initial:
-                raise ValueError("lifecycle_event_capacity cannot hold initial-fill events")
+                raise ValueError(
+                    "lifecycle_event_capacity cannot hold initial-fill events: got "
+                    f"{capacity}, the first generation writes {initial} records; use 0 or at least {initial}"
+                )
         return layout
 
     def worker_row_ranges(self, num_envs: int) -> list[tuple[int, int]]:
@@ -243,13 +249,21 @@ class OnlineDataEngineCfg:
             )
         if semantics == "policy_request":
             if self.action_dim is None or not contracts:
-                raise ValueError("policy_request ODS requires action_dim and ordered action_contracts.")
+                raise ValueError(
+                    "policy_request ODS requires action_dim and ordered action_contracts. Got "
+                    f"action_dim={self.action_dim!r}, action_contracts={contracts!r}"
+                )
             if not isinstance(contracts, tuple) or any(
                 not isinstance(c, str) or not c.strip() for c in contracts
             ):
-                raise ValueError("action_contracts must be a tuple of nonempty contract IDs.")
+                raise ValueError(
+                    f"action_contracts must be a tuple of nonempty contract IDs. Got {contracts!r}"
+                )
         elif contracts is not None:
-            raise ValueError("action_contracts are only valid for policy_request recording.")
+            raise ValueError(
+                "action_contracts are only valid for policy_request recording. Got "
+                f"action_contracts={contracts!r} with action_semantics={semantics!r}"
+            )
 
     def _validate_sampling_budget(self) -> None:
         budget, limit = self.episode_sample_budget, self.episode_sample_hard_limit
@@ -258,12 +272,18 @@ class OnlineDataEngineCfg:
         if any(type(v) is not int or not 0 < v <= INT64_MAX for v in (budget, limit)):
             raise ValueError(
                 "episode_sample_budget and episode_sample_hard_limit must both be positive "
-                "signed-int64 integers"
+                f"signed-int64 integers (ints in [1, {INT64_MAX}]); got episode_sample_budget={budget!r}, "
+                f"episode_sample_hard_limit={limit!r}"
             )
         if budget > limit:
-            raise ValueError("episode_sample_budget must not exceed episode_sample_hard_limit")
+            raise ValueError(
+                "episode_sample_budget must not exceed episode_sample_hard_limit; got "
+                f"episode_sample_budget={budget}, episode_sample_hard_limit={limit}"
+            )
         if str(self.buffer_device) != "cpu":  # not torch.device(): a bad string would raise RuntimeError
-            raise ValueError("Per-episode sampling quotas require buffer_device='cpu'")
+            raise ValueError(
+                f"Per-episode sampling quotas require buffer_device='cpu', got {self.buffer_device!r}"
+            )
 
     def _validate_source(self) -> SourceLayout:
         source = self.source

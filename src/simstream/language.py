@@ -28,7 +28,7 @@ _INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, to
 
 def _check_kind(kind: str) -> None:
     if kind not in _KINDS:
-        raise ValueError("language kind must be task or subtask")
+        raise ValueError(f"language kind must be task or subtask, got {kind!r}")
 
 
 class SharedLanguageRegistry:
@@ -61,7 +61,7 @@ class SharedLanguageRegistry:
 
     def __init__(self, capacity_bytes: int = 1048576, context: Any = None) -> None:
         if type(capacity_bytes) is not int or capacity_bytes < 1:
-            raise ValueError("language_buffer_bytes must be a positive integer")
+            raise ValueError(f"language_buffer_bytes must be a positive integer, got {capacity_bytes!r}")
         ctx = context if context is not None else multiprocessing.get_context("forkserver")
         self._buffer = ctx.RawArray("B", capacity_bytes)
         self._length = ctx.RawValue("Q", 0)

@@ -224,7 +224,7 @@ class OnlineDataEngine(EngineLifecycle):
                 f"sampling_mode must be 'episode', 'segment', or 'boundary', got {sampling_mode!r}."
             )
         if sampling_mode == "boundary" and chunk_size < 2:
-            raise ValueError("boundary sampling requires chunk_size >= 2.")
+            raise ValueError(f"boundary sampling requires chunk_size >= 2. Got chunk_size={chunk_size}.")
         try:
             batch = self._sampler.sample_chunks(
                 batch_size,
@@ -288,13 +288,15 @@ class OnlineDataEngine(EngineLifecycle):
             history_length, prediction_horizon, self.max_episode_steps
         )
         if sampling_mode not in ("episode", "segment"):
-            raise ValueError("Context sampling_mode must be episode or segment")
+            raise ValueError(f"Context sampling_mode must be episode or segment, got {sampling_mode!r}")
         if generations is not None and (
             not isinstance(generations, tuple)
             or not generations
             or any(type(g) is not int or g < 1 for g in generations)
         ):
-            raise ValueError("generations must be a nonempty tuple of positive integers")
+            raise ValueError(
+                f"generations must be a nonempty tuple of positive integers, got {generations!r}"
+            )
         self._check_ready("sample_batch")
         batch_size = _count("batch_size", batch_size)
         _check_generator(generator)
@@ -390,9 +392,13 @@ class OnlineDataEngine(EngineLifecycle):
             TimeoutError: the generation was not complete in time (producers keep running).
         """
         if type(generation) is not int or generation < 1:
-            raise ValueError("generation must be a positive integer")
+            raise ValueError(
+                f"generation must be a positive integer (wait_for_generation), got {generation!r}"
+            )
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError("timeout must be finite and positive")
+            raise ValueError(
+                f"timeout must be finite and positive (wait_for_generation, seconds), got {timeout!r}"
+            )
         progress = self._shared.progress
         if generation > progress.requested_generation:
             raise ValueError("generation has not been requested")

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from .._sync import SharedLock
+from .._validation import require_int
 
 __all__ = ["RingStats", "RolloutRing", "TakenSlot"]
 
@@ -80,8 +81,7 @@ class RolloutRing:
         overflow: Literal["block", "drop_oldest"],
         ctx,
     ) -> None:
-        if num_slots < 2:
-            raise ValueError(f"RolloutRing.num_slots must be >= 2, got {num_slots!r}")
+        require_int("RolloutRing", "num_slots", num_slots, 2)
         if overflow not in ("block", "drop_oldest"):
             raise ValueError(f"RolloutRing.overflow must be 'block' or 'drop_oldest', got {overflow!r}")
         self.num_slots = num_slots

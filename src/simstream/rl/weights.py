@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from .._validation import require_int
+
 __all__ = ["WeightBuffer"]
 
 _SEQ, _VERSION = 0, 1
@@ -28,8 +30,7 @@ class WeightBuffer:
     """
 
     def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"WeightBuffer.size must be >= 1, got {size!r}")
+        require_int("WeightBuffer", "size", size, 1)
         self.size = size
         self._flat = torch.zeros(size, dtype=torch.float32).share_memory_()
         self._meta = torch.tensor([0, -1], dtype=torch.int64).share_memory_()
