@@ -46,8 +46,12 @@ def test_vision_from_a_recorded_dataset_writes_its_strips_and_refuses_another_im
         "pass --image-size 64" in " ".join(wrong.stderr.split())
     )
     assert not runs.exists()
+    shorter = ["--steps", "10", "--eval-every", "10", "--eval-episodes", "1", "--eval-episodes-during", "0"]
     done = subprocess.run(
-        [*argv, "--name", "replay", "--dataset", str(dataset)], capture_output=True, text=True, timeout=280
+        [*argv, *shorter, "--name", "replay", "--dataset", str(dataset)],
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((runs / "replay" / "summary.json").read_text())
