@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import subprocess
 import sys
 
@@ -268,6 +269,13 @@ def test_an_actor_exception_only_ray_could_carry_keeps_its_type_message_and_the_
     assert 'File "source.py", line 7, in rollout' in str(wrapped)
     plain = KeyError("scripted failure")
     assert _original(RayTaskError("ProducerActor.generate", actor_traceback, plain)) is plain
+    # no cause of its own (Ray could not rebuild it, or it is another task's error): what is sent pickles
+    # by reference and still carries the actor's traceback
+    inner = RayTaskError("ProducerActor.build", actor_traceback, local_error())
+    for cause in (None, inner):
+        sent = _original(RayTaskError("ProducerActor.generate", actor_traceback, cause))
+        assert type(pickle.loads(pickle.dumps(sent))) is type(sent)
+        assert 'File "source.py", line 7, in rollout' in str(sent)
 
 
 def test_mappings_are_kept_as_plain_dicts_so_the_config_pickles():

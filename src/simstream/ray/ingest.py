@@ -708,12 +708,14 @@ def _original(error: RayTaskError) -> BaseException:
     ``OnlineDataWorkerError`` naming its type and message, with the actor's traceback.
     """
     cause = getattr(error, "cause", None)
+    traceback_text = getattr(error, "traceback_str", "")
     if not isinstance(cause, BaseException) or isinstance(cause, RayTaskError):
         try:
-            return error.as_instanceof_cause()
+            # a class Ray makes on the fly (RayTaskError(X)): sent as an OnlineDataWorkerError naming X
+            return _sendable(error.as_instanceof_cause(), traceback_text)
         except Exception:
-            return error
-    return _sendable(cause, getattr(error, "traceback_str", ""))
+            return _sendable(error, traceback_text)
+    return _sendable(cause, traceback_text)
 
 
 def _sendable(error: BaseException, traceback_text: str) -> BaseException:
