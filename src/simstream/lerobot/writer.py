@@ -111,6 +111,8 @@ class DatasetWriter:
         """Stats over every flushed episode, updated per group (the aggregation is associative)."""
         self.episodes_flushed = 0
         self.frames_flushed = 0
+        self._failed_after_commit: str | None = None
+        """Set by a flush that failed after its commit point; every later flush refuses."""
         self.bytes_written = 0
         self.next_file = 0
         self._pending: list[EpisodeRecord] = []
@@ -220,10 +222,35 @@ class DatasetWriter:
 
     # -- writing --------------------------------------------------------------------------------------
     def add(self, episode: EpisodeRecord) -> None:
-        """Queue one episode for the next :meth:`flush`."""
+        """Queue one episode for the next :meth:`flush`.
+
+        Raises:
+            ValueError: a field of the dataset is missing, or holds another number of frames or another
+                shape per frame than the episode's first field (a camera with fewer frames than the rest
+                would be committed with the next episode's pixels), or the episode has no frames, naming
+                the field.
+        """
         missing = {f.field for f in self.features} - set(episode.frames)
         if missing:
             raise ValueError(f"episode lacks field(s) {sorted(missing)} of the dataset")
+        length = episode.length
+        if length < 1:
+            raise ValueError("EpisodeRecord.frames must hold at least one frame, got an episode of 0 frames")
+        for feature in self.features:
+            shape = tuple(getattr(episode.frames[feature.field], "shape", ()))
+            expected = (length, *feature.field_spec().shape)
+            # a plain column (a scalar or a (1,) field) holds one value per frame either way
+            if shape != expected and not (feature.plain and shape in ((length,), (length, 1))):
+                raise ValueError(
+                    f"EpisodeRecord.frames[{feature.field!r}] must have shape {expected} (the episode's "
+                    f"{length} frames of the dataset's {feature.key!r}), got {shape}"
+                )
+        for name, values in (("subtasks", episode.subtasks), ("segment_id", episode.segment_id)):
+            if values is not None and len(values) not in (0, length):
+                raise ValueError(
+                    f"EpisodeRecord.{name} must hold one value per frame ({length}) or none, got "
+                    f"{len(values)}"
+                )
         self._pending.append(episode)
 
     @property
@@ -234,6 +261,12 @@ class DatasetWriter:
         """Write the queued episodes as one group of closed files; returns how many were committed."""
         if self._lock_fd is None:
             raise RuntimeError(f"DatasetWriter of {self.root} is closed; open a new one to write")
+        if self._failed_after_commit is not None:
+            raise RuntimeError(
+                f"DatasetWriter of {self.root}: an earlier flush failed after committing its episodes "
+                f"({self._failed_after_commit}); close this writer and open the dataset again (opening "
+                "repairs meta/info.json from the committed episodes)"
+            )
         group, self._pending = self._pending, []
         if not group:
             return 0
@@ -254,14 +287,20 @@ class DatasetWriter:
         write_parquet(episodes_path, self._episodes_table(group, stats, videos, chunk, file))  # commit
         self.bytes_written += episodes_path.stat().st_size
         self.next_file += 1
-        for key in stats[0]:
-            previous = [self.stats[key]] if key in self.stats else []
-            self.stats[key] = aggregate_stats(previous + [s[key] for s in stats])
-        # the counts others read as "flushed" move only once info.json says so: LeRobot's reader sizes the
-        # dataset from it, and a SIGKILL before it is replaced must not lose what was reported
-        self._write_meta(
-            self.episodes_flushed + len(group), self.frames_flushed + sum(e.length for e in group)
-        )
+        try:
+            for key in stats[0]:
+                previous = [self.stats[key]] if key in self.stats else []
+                self.stats[key] = aggregate_stats(previous + [s[key] for s in stats])
+            # the counts others read as "flushed" move only once info.json says so: LeRobot's reader sizes
+            # the dataset from it, and a SIGKILL before it is replaced must not lose what was reported
+            self._write_meta(
+                self.episodes_flushed + len(group), self.frames_flushed + sum(e.length for e in group)
+            )
+        except BaseException as error:
+            # the group's episodes are committed but the counts (the next episode's and frame's indices)
+            # did not move: another flush would write those indices again, breaking the dataset for good
+            self._failed_after_commit = f"{type(error).__name__}: {error}"
+            raise
         self.episodes_flushed += len(group)
         self.frames_flushed += sum(e.length for e in group)
         return len(group)
