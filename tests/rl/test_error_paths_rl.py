@@ -42,6 +42,8 @@ def _assert_names_the_value(error: pytest.ExceptionInfo, kwargs: dict) -> None:
         ({"steps_per_rollout": 0}, "APPOConfig.steps_per_rollout must be an int "),
         ({"num_epochs": 0}, "APPOConfig.num_epochs must be an int "),
         ({"minibatch_size": 0}, "APPOConfig.minibatch_size must be an int "),
+        # accepted: one frame's normalised advantage is 0, so the policy never learned
+        ({"minibatch_size": 1}, "APPOConfig.minibatch_size must be an int >= 2, got 1"),
         ({"target_update_interval": 0}, "APPOConfig.target_update_interval must be an int "),
         ({"learner_num_threads": -1}, "APPOConfig.learner_num_threads must be an int in [0, "),
         ({"stats_window": 0}, "APPOConfig.stats_window must be an int in [1, 1000000], got 0"),

@@ -441,6 +441,36 @@ def test_learner_nan_guard_rejects_a_poisoned_batch():
     assert learner.updates == 1  # nothing changed
 
 
+def test_the_step_size_follows_how_far_each_update_moved_the_policy_not_the_age_of_the_target(monkeypatch):
+    """With target_update_interval > 1 the rate adapted to KL(target || current), which only grows until
+    the target is refreshed: every step halved the rate, pinning it to its floor for most updates."""
+    cfg = APPOConfig(
+        num_envs=8, steps_per_rollout=32, minibatch_size=64, hidden_sizes=(16,), target_update_interval=3
+    )
+    learner = APPOLearner(cfg, 4, 2, "cpu")
+    adapted: list[float] = []
+    adapt = learner._adapt_learning_rate
+    monkeypatch.setattr(learner, "_adapt_learning_rate", lambda kl: adapted.append(kl) or adapt(kl))
+    generator = torch.Generator().manual_seed(0)
+    moved, to_target = [], []
+    for _ in range(3):
+        obs = torch.randn(32, 8, 4, generator=generator)
+        with torch.no_grad():  # on-policy: the policy that acts is the learner's
+            dist = learner.model.distribution(learner.normalizer.normalize(obs))
+            actions = dist.sample()
+        batch = {
+            "obs": obs, "actions": actions, "logp": dist.log_prob(actions).sum(-1),
+            "rewards": actions[..., 0] - 0.5 * actions[..., 1], "dones": torch.zeros(32, 8),
+            "last_obs": torch.randn(8, 4, generator=generator),
+        }  # fmt: skip
+        adapted.clear()
+        metrics = learner.update(batch)
+        moved.append(sum(adapted) / len(adapted))
+        to_target.append(metrics["policy_kl/target_to_current"])
+    assert moved[0] == pytest.approx(to_target[0], rel=1e-4)  # the first update starts at the target
+    assert moved[1] < to_target[1] and moved[2] < to_target[2]  # later ones from where they started
+
+
 def test_the_target_network_keeps_the_observation_statistics_it_was_trained_under(monkeypatch):
     """With target_update_interval > 1 the target is an older policy: its log-probabilities come from
     the statistics of its own time (they were taken under the current ones, a policy that never acted)."""

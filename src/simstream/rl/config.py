@@ -107,15 +107,18 @@ class APPOConfig:
     learning_rate: float = 3e-4
     """Adam step size (the start value when ``desired_kl`` adapts it)."""
     desired_kl: float | None = 0.01
-    """Adapt the step size to keep KL(target || current) near this; ``None`` keeps it constant."""
+    """Adapt the step size to keep KL(policy at the update's start || current) near this (the target's KL
+    with ``target_update_interval`` 1); ``None`` keeps it constant."""
     num_epochs: int = 5
     """Passes over each batch."""
     minibatch_size: int = 512
-    """Frames per gradient step."""
+    """Frames per gradient step, at least 2 (advantages are normalised per minibatch, and one frame's
+    normalised advantage is 0: no policy gradient)."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
-    """Trace decay: V-trace ``c_t = lambda * min(c_bar, rho_t)`` (GAE(lambda) when on-policy)."""
+    """Trace decay: V-trace ``c_t = lambda * min(c_bar, rho_t)``; on-policy the value targets are GAE(lambda)
+    returns (the policy advantage is IMPALA's one-step ``rho_t (r_t + gamma v_{t+1} - V(x_t))``)."""
     clip_ratio: float = 0.2
     """PPO clipping range of the policy ratio."""
     value_coef: float = 0.5
@@ -149,7 +152,7 @@ class APPOConfig:
             ("steps_per_rollout", 1, None),
             ("num_slots", 2, None),
             ("num_epochs", 1, None),
-            ("minibatch_size", 1, None),
+            ("minibatch_size", 2, None),  # advantages are normalised per minibatch: one frame's is 0
             ("target_update_interval", 1, None),
             ("learner_num_threads", 0, max_learner_threads()),
             ("stats_window", 1, MAX_STATS_WINDOW),

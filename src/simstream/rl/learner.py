@@ -10,7 +10,7 @@ import copy
 from collections import defaultdict
 
 import torch
-from torch.distributions import Normal
+from torch.distributions import Normal, kl_divergence
 
 from .appo import check_finite, ppo_loss, vtrace
 from .config import APPOConfig
@@ -94,6 +94,12 @@ class APPOLearner:
             "advantages": targets.advantages.flatten(),
             "vs": targets.vs.flatten(),
         }
+        if cfg.desired_kl is not None and cfg.target_update_interval > 1:
+            # the step size follows how far this update moved the policy: KL to an older target only
+            # grows between refreshes, which pinned the rate to its floor for most updates
+            with torch.no_grad():
+                start = self.model.distribution(obs)
+            flat["start_mean"], flat["start_std"] = start.mean.flatten(0, 1), start.stddev.flatten(0, 1)
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         count = flat["vs"].numel()
@@ -132,6 +138,15 @@ class APPOLearner:
             value_coef=cfg.value_coef,
             entropy_coef=cfg.entropy_coef,
         )
+        moved = (
+            None  # KL(policy at this update's start || current), measured as kl_target is: before the step
+        )
+        if "start_mean" in mb:  # target_update_interval > 1 (else the target is that start policy)
+            with torch.no_grad():
+                current = Normal(dist.mean.detach(), dist.stddev.detach())
+                moved = float(
+                    kl_divergence(Normal(mb["start_mean"], mb["start_std"]), current).sum(-1).mean()
+                )
         check_finite("loss", loss.total.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.total.backward()
@@ -140,7 +155,7 @@ class APPOLearner:
         self.optimizer.step()
         kl = float(loss.kl_target)
         if cfg.desired_kl is not None:
-            self._adapt_learning_rate(kl)
+            self._adapt_learning_rate(kl if moved is None else moved)
         return {
             "loss/policy": float(loss.policy),
             "loss/value": float(loss.value),
