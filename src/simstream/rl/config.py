@@ -118,7 +118,8 @@ class APPOConfig:
     """Discount factor."""
     gae_lambda: float = 0.95
     """Trace decay: V-trace ``c_t = lambda * min(c_bar, rho_t)``; on-policy the value targets are GAE(lambda)
-    returns (the policy advantage is IMPALA's one-step ``rho_t (r_t + gamma v_{t+1} - V(x_t))``)."""
+    returns (the policy advantage is IMPALA's ``rho_t (r_t + gamma v_{t+1} - V(x_t))``, ``v`` the V-trace
+    targets)."""
     clip_ratio: float = 0.2
     """PPO clipping range of the policy ratio."""
     value_coef: float = 0.5
