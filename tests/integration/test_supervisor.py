@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 
 import pytest
@@ -300,3 +301,99 @@ def test_workers_that_outlive_a_killed_fork_server_are_killed_at_shutdown():
             os.kill(worker, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("method", mp.get_all_start_methods())
+def test_a_death_is_seen_while_a_child_the_worker_forked_holds_its_sentinel(method):
+    """A fork/spawn worker's sentinel is a pipe it holds, and a child it forks keeps it open: the worker's
+    death was seen only once that child ended (here: never, until the test killed it)."""
+    import os
+    import signal
+
+    ctx = mp.get_context(method)
+    channel, started = ErrorChannel(ctx), ctx.RawValue("i", 0)
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("forks", "tests.support.workers:fork_a_child_and_exit", (started, 3), True)])
+    try:
+        assert channel.wait_published(20.0)
+        assert str(channel.error()) == "forks died with exit code 3"
+        assert supervisor.dead_workers() == [("forks", 3)]
+        assert started.value > 0 and not _gone_within(started.value, 0.0)  # the child still holds it
+        report = supervisor.shutdown(5.0)  # kills what is left of the worker's group: the child
+        assert report.exitcodes == {"forks": 3} and not report.forced
+        assert _gone_within(started.value, 20.0)
+        assert supervisor.wait_exited("forks", 0.0) == 3  # after the shutdown: the code it recorded
+    finally:
+        if started.value:
+            try:
+                os.kill(started.value, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("method", mp.get_all_start_methods())
+def test_an_exit_status_read_again_inside_its_own_read_returns_instead_of_waiting_for_itself(
+    method, monkeypatch
+):
+    """A signal handler or a finalizer (an engine's __del__ stopping it) that ran in the middle of a read
+    and read the same status again waited for the read's lock, held by its own thread, forever."""
+    from multiprocessing import popen_fork, popen_forkserver
+
+    inner, asking = [], threading.Event()
+    for popen_class in (popen_fork.Popen, popen_forkserver.Popen):  # spawn's reads are fork's
+
+        def read_and_ask_again(self, flag=0, read=popen_class.poll):
+            if asking.is_set():
+                asking.clear()
+                inner.append(self.poll())  # what a handler running here does: the outer read is under way
+            return read(self, flag)
+
+        monkeypatch.setattr(popen_class, "poll", read_and_ask_again)
+    ctx = mp.get_context(method)
+    channel, go = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("w", _EXIT, (go, 5))])
+    try:
+        popen = supervisor.processes["w"]._popen
+        asking.set()
+        assert popen.poll() is None and inner == [None]
+        go.set()
+        assert supervisor.wait_exited("w", 20.0) == 5
+    finally:
+        go.set()
+        supervisor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_status_reaped_by_one_thread_is_seen_by_another_that_asked_at_the_same_time(method, monkeypatch):
+    """Two threads reaping one fork/spawn worker with waitpid(): the loser got ECHILD and read the exited
+    worker as alive (the monitor then published a clean exit during close as a death, code unknown)."""
+    from multiprocessing import popen_fork
+    from multiprocessing.connection import wait
+
+    from simstream.workers.supervisor import _read_exit_status_once
+
+    real_waitpid, codes, threads = os.waitpid, {}, []
+    other_done = threading.Event()
+
+    def reap_while_another_asks(pid, options):
+        if pid == process.pid and not threads:  # the first reader, past its "no code yet" check
+            threads.append(
+                threading.Thread(target=lambda: (codes.update(other=process._popen.poll()), other_done.set()))
+            )
+            threads[0].start()
+            other_done.wait(0.5)  # it reaped first when nothing made the reads take turns
+        return real_waitpid(pid, options)
+
+    ctx = mp.get_context(method)
+    process = ctx.Process(target=os._exit, args=(4,))
+    process.start()
+    monkeypatch.setattr(popen_fork.os, "waitpid", reap_while_another_asks)
+    _read_exit_status_once(process)  # what the supervisor does to every worker it starts
+    try:
+        assert wait([process.sentinel], 20.0)
+        codes["first"] = process.exitcode
+        threads[0].join(20.0)  # it waited for the first read
+        assert codes == {"first": 4, "other": 4}
+    finally:
+        process.join(20.0)

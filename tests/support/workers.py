@@ -45,3 +45,15 @@ def start_a_child_and_die(started) -> None:
     child = subprocess.Popen(["sleep", "600"])
     started.value = child.pid  # shared memory: visible at once, unlike a queue's feeder thread
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fork_a_child_and_exit(started, code: int) -> None:
+    """Fork a child that keeps every descriptor of this worker (its sentinel pipe too) and waits to be
+    killed, report its pid, then exit with ``code``."""
+    child = os.fork()
+    if child == 0:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigtimedwait({signal.SIGINT}, 120.0)  # never sent: the test kills it (bounded anyway)
+        os._exit(0)
+    started.value = child
+    os._exit(code)

@@ -281,6 +281,10 @@ class WorkerSupervisor:
         self._on_exit = on_exit
         self._processes: dict[str, mp.process.BaseProcess] = {}
         self._indices: dict[str, int] = {}
+        self._exit_signals: dict[str, int] = {}
+        """label -> the descriptor that becomes readable when the worker has exited (see _exit_signal)."""
+        self._final_exitcodes: dict[str, int | None] = {}
+        """label -> exit code, of the workers a shutdown closed (for :meth:`wait_exited`)."""
         self._pidfds: dict[str, int] = {}
         """label -> a pidfd of the worker: its real liveness, whatever a dead fork server reported."""
         self._group_leaders: dict[str, int] = {}
@@ -300,17 +304,29 @@ class WorkerSupervisor:
 
     @property
     def processes(self) -> dict[str, mp.process.BaseProcess]:
-        """The workers by label. Their exit statuses are safe to read from any thread (see
-        :func:`_read_exit_status_once`); :meth:`wait_exited` and :meth:`dead_workers` read them without
-        racing a shutdown that closes the processes."""
+        """The workers by label, until a shutdown closes them. Their exit statuses are read in turn by every
+        thread (see :func:`_read_exit_status_once`); :meth:`wait_exited` and :meth:`dead_workers` read them
+        without racing a shutdown that closes the processes (a closed one raises ``ValueError``)."""
         return dict(self._processes)
 
     def wait_exited(self, label: str, timeout_s: float) -> int | None:
-        """Wait up to ``timeout_s`` for worker ``label`` to exit; its exit code, or ``None`` if it lives."""
-        process = self._processes[label]
-        self._join_all([process], timeout_s)
-        with self._status_lock:
-            return process.exitcode
+        """Wait up to ``timeout_s`` for worker ``label`` to exit; its exit code, or ``None`` if it lives.
+
+        Safe beside a shutdown: after one, the code it recorded.
+
+        Raises:
+            KeyError: no worker ``label`` was started.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._status_lock:  # a shutdown closes the processes under it
+                process = self._processes.get(label)
+                if process is None:
+                    return self._final_exitcodes[label]
+                process.join(max(0.0, min(_JOIN_SLICE_S, deadline - time.monotonic())))
+                code = process.exitcode
+            if code is not None or time.monotonic() >= deadline:
+                return code
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
@@ -347,7 +363,8 @@ class WorkerSupervisor:
                     self._group_leaders[spec.label] = process.pid
                 with contextlib.suppress(OSError):  # gone already, or no pidfds (Linux < 5.3)
                     self._pidfds[spec.label] = os.pidfd_open(process.pid)
-                self._exits.register(process.sentinel, select.POLLIN)
+                self._exit_signals[spec.label] = exit_signal = self._exit_signal(spec.label, process)
+                self._exits.register(exit_signal, select.POLLIN)
         self._monitor = threading.Thread(
             target=_monitor_workers,
             args=(
@@ -362,11 +379,25 @@ class WorkerSupervisor:
                 self._hang_timeout_s,
                 self._on_exit,
                 self._exit_read,
+                dict(self._exit_signals),
             ),
             name="simstream-worker-monitor",
             daemon=True,
         )
         self._monitor.start()
+
+    def _exit_signal(self, label: str, process: mp.process.BaseProcess) -> int:
+        """What becomes readable when worker ``label`` has exited and its status can be read.
+
+        A fork/spawn worker's sentinel is a pipe it holds: a child it forked (and did not close the pipe
+        in) keeps it open after the worker died, which hid the death for as long as that child lived. Its
+        pidfd tells instead (the status is then ``waitpid()``'s to take). A forkserver worker's sentinel
+        is the fork server's status pipe, readable once the status is there: kept.
+        """
+        fd = self._pidfds.get(label)
+        if fd is None or getattr(process._popen, "method", None) == "forkserver":
+            return process.sentinel
+        return fd
 
     def exit_note(self, label: str, exitcode: int | None) -> str:
         """A sentence to append to the message of ``label``'s death: why it died if it never reached
@@ -433,12 +464,14 @@ class WorkerSupervisor:
         report.monitor_stopped = self.stop_monitor()
         if not report.still_alive and report.monitor_stopped:
             with self._status_lock:
+                self._final_exitcodes.update(report.exitcodes)
                 for process in self._processes.values():
                     process.close()
                 self._processes.clear()
                 for fd in self._pidfds.values():
                     os.close(fd)
                 self._pidfds.clear()
+                self._exit_signals.clear()
                 self._exits = select.poll()  # closed sentinels' numbers may be reused
                 self._exit_read.clear()
         return report
@@ -491,31 +524,55 @@ def _pidfd_exited(fd: int, timeout_s: float) -> bool:
 
 
 def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
-    """Make the reads of a ``forkserver`` worker's exit status take turns.
+    """Make the reads of a worker's exit status take turns, whatever its start method.
 
-    The fork server sends the status once, over a pipe. Python's reader is not thread-safe: of two threads
-    that find the pipe readable at once, one reads the status and the other the end of the pipe, which it
-    takes for a dead fork server (exit code 255), and whichever finishes last sets the code. Readers are
-    not only this supervisor: every ``Process.start()`` in the owner (a ``DataLoader``'s workers) polls all
-    live children, ours included. With the read under a lock, the second reader finds the code set.
+    Python's readers are not thread-safe, and the owner has many: this supervisor's monitor and joins, and
+    every ``Process.start()`` in the owner (a ``DataLoader``'s workers), which polls all live children. A
+    ``forkserver`` status arrives once, over a pipe: of two threads that find it readable at once, one
+    reads the status and the other the end of the pipe, which it takes for a dead fork server (exit code
+    255). A ``fork``/``spawn`` status is reaped by ``waitpid()``: the thread that loses the race gets
+    ``ECHILD`` and reports the exited worker as alive (``None``). With each read under a lock, the second
+    reader finds the code set.
+
+    The lock is re-entrant and a read in progress is flagged: a signal handler or a garbage-collected
+    object's finalizer (an engine's ``__del__`` stopping it) that runs in the middle of this thread's read
+    and asks again gets the code as known so far instead of waiting for itself forever.
     """
     popen = getattr(process, "_popen", None)
-    if process._start_method != "forkserver" or popen is None:  # fork and spawn reap with waitpid()
+    if popen is None or getattr(popen, "_simstream_reads_in_turn", False):
         return
     # a weak reference: the wrapper is an attribute of the Popen, which it must not keep alive in a cycle
     # (its finalizer closes the status pipe once the process is dropped)
-    read, lock, owner = type(popen).poll, threading.Lock(), weakref.ref(popen)
+    read, lock, owner = type(popen).poll, threading.RLock(), weakref.ref(popen)
+    reading = [False]
+
+    def read_in_turn(target) -> tuple[bool, int | None]:
+        """``(read, code)``: ``read`` is False when this thread is already inside a read of its own."""
+        if target.returncode is not None:
+            return True, target.returncode
+        with lock:
+            if reading[0]:
+                return False, target.returncode
+            reading[0] = True
+            try:
+                return True, read(target, os.WNOHANG)
+            finally:
+                reading[0] = False
 
     def poll(flag: int = os.WNOHANG) -> int | None:
         target = owner()
         if target is None:
             return None
-        if flag != os.WNOHANG:
-            wait_for_sentinels([target.sentinel])  # the blocking wait, outside the lock
-        with lock:  # held for one non-blocking read: the status is in the pipe once it is readable
-            return read(target, os.WNOHANG)
+        while True:
+            done, code = read_in_turn(target)
+            if code is not None or flag == os.WNOHANG or not done:
+                return code
+            # a blocking poll (join() without a timeout): wait outside the lock, in slices, for a status
+            # to read (a fork worker's sentinel stays open while a child it forked holds the pipe)
+            wait_for_sentinels([target.sentinel], timeout=_JOIN_SLICE_S)
 
     popen.poll = poll
+    popen._simstream_reads_in_turn = True
 
 
 def _kill_group(leader: int) -> None:
@@ -537,18 +594,22 @@ def _monitor_workers(
     hang_timeout_s: float | None,
     on_exit: Callable[[], None] | None,
     exit_read: threading.Event,
+    exit_signals: dict[str, int],
 ) -> None:
-    # Waits on the process sentinels; the exit status is read under the status lock, so this thread
-    # never races the owner's join() on the forkserver status pipe. Reading it drains that pipe, which
-    # reads as idle until the forkserver closes its end: exit_read tells dead_workers() to look anyway.
-    pending = {p.sentinel: (label, index, p) for index, (label, p) in enumerate(processes.items())}
+    # Waits on what tells each worker's exit (WorkerSupervisor._exit_signal); the exit status is read under
+    # the status lock and in turn with every other reader (_read_exit_status_once). Reading a forkserver
+    # status drains its pipe, which reads as idle until the fork server closes its end: exit_read tells
+    # dead_workers() to look anyway.
+    pending = {exit_signals[label]: (label, index, p) for index, (label, p) in enumerate(processes.items())}
     while pending and not stop.is_set():
         ready = wait_for_sentinels(list(pending), timeout=0.1)
         for sentinel in ready:
             label, _, process = pending.pop(sentinel)
             with status_lock:
-                process.join(1.0)
-                exitcode = process.exitcode
+                exitcode = process.exitcode  # at once: a fork/spawn sentinel held by a child never comes
+                if exitcode is None:
+                    process.join(1.0)
+                    exitcode = process.exitcode
                 exit_read.set()
             # Deaths we caused with terminate()/kill() are reported by shutdown(), not as failures.
             if not (channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0)):
