@@ -397,3 +397,64 @@ def test_a_status_reaped_by_one_thread_is_seen_by_another_that_asked_at_the_same
         assert codes == {"first": 4, "other": 4}
     finally:
         process.join(20.0)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_join_of_a_worker_reaped_elsewhere_returns_in_its_bound(method):
+    """Someone else took the status (os.wait(), SIGCHLD ignored): the blocking read looped forever at
+    full CPU, since the sentinel reads as ended and waitpid() has nothing to give any more."""
+    from multiprocessing.connection import wait
+
+    from simstream.workers.supervisor import _read_exit_status_once
+
+    process = mp.get_context(method).Process(target=os._exit, args=(3,))
+    process.start()
+    _read_exit_status_once(process)
+    assert wait([process.sentinel], 20.0)
+    os.waitpid(process.pid, 0)  # a stray reaper
+    joiner = threading.Thread(target=process.join, args=(1.0,))
+    joiner.start()
+    joiner.join(10.0)
+    try:
+        assert not joiner.is_alive() and process.exitcode is None  # CPython's answer: the status is gone
+    finally:  # a child without a status stays among multiprocessing's children for good
+        mp.process._children.discard(process)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_supervisor_stopped_inside_a_read_made_outside_its_status_lock_does_not_deadlock(
+    method, monkeypatch
+):
+    """A finalizer or signal handler stopping the supervisor in the middle of a read made outside its status
+    lock (another Process.start(), active_children(), is_alive()): the read held its own lock and waited for
+    the status lock, which the monitor held while it waited for the read's lock."""
+    from multiprocessing import popen_fork
+
+    real_read, stopped, asking = popen_fork.Popen.poll, [], threading.Event()
+
+    def read_then_stop(self, flag=os.WNOHANG):
+        if asking.is_set() and threading.current_thread().name == "reader":
+            asking.clear()
+            go.set()  # the worker exits; the monitor sees it and wants to read its status
+            channel.wait_published(1.0)  # it cannot: this read holds the status
+            stopped.append(supervisor.shutdown(0.2, terminate_join_s=0.2))  # an engine's __del__ would
+        return real_read(self, flag)
+
+    monkeypatch.setattr(popen_fork.Popen, "poll", read_then_stop)  # before start: the wrapper reads with it
+    ctx = mp.get_context(method)
+    channel, go = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec("w", _EXIT, (go, 3))])
+    process = supervisor.processes["w"]
+    asking.set()
+    reader = threading.Thread(target=process.is_alive, name="reader")
+    reader.start()
+    reader.join(60.0)
+    try:
+        assert not reader.is_alive() and len(stopped) == 1
+        assert stopped[0].still_alive == ["w"]  # its status was being read: not known inside that read
+        assert not process.is_alive() and process.exitcode == 3  # the read went on once the stop returned
+    finally:
+        go.set()
+        report = supervisor.shutdown(5.0)
+    assert report.exitcodes == {"w": 3} and report.still_alive == []

@@ -159,8 +159,8 @@ def test_a_ctrl_c_while_the_collector_starts_stops_it_again(monkeypatch, ctrl_c_
 
     started = supervisor_module._read_exit_status_once
 
-    def started_then_interrupted(process):
-        started(process)
+    def started_then_interrupted(process, *args):
+        started(process, *args)
         signal.raise_signal(signal.SIGINT)  # held by the supervisor until the collector is registered
 
     monkeypatch.setattr(supervisor_module, "_read_exit_status_once", started_then_interrupted)

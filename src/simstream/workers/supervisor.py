@@ -356,7 +356,7 @@ class WorkerSupervisor:
             # blocked: a Ctrl-C while spawn re-imports the main module (seconds) printed its traceback
             with ctrl_c_deferred(), sigint_blocked():
                 process.start()  # registered only once started: shutdown() joins what it holds
-                _read_exit_status_once(process)
+                _read_exit_status_once(process, self._status_lock)
                 self._processes[spec.label] = process
                 self._indices[spec.label] = index
                 if spec.own_process_group:
@@ -498,12 +498,19 @@ class WorkerSupervisor:
         deadline = time.monotonic() + timeout_s
         for process in processes:
             while True:
+                began = time.monotonic()
                 with self._status_lock:
-                    process.join(max(0.0, min(_JOIN_SLICE_S, deadline - time.monotonic())))
+                    process.join(max(0.0, min(_JOIN_SLICE_S, deadline - began)))
                     if process.exitcode is not None:
                         break
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     break
+                # a join that returned early without a status (one reaped elsewhere: SIGCHLD ignored,
+                # os.wait()) would make this a busy loop: the rest of the slice is waited out
+                rest = min(_JOIN_SLICE_S, deadline - now) - (now - began)
+                if rest > 0:
+                    threading.Event().wait(rest)
 
     def stop_monitor(self, timeout_s: float = _MONITOR_STOP_S) -> bool:
         """Stop the monitor thread; ``False`` if it did not stop in time."""
@@ -523,7 +530,7 @@ def _pidfd_exited(fd: int, timeout_s: float) -> bool:
     return bool(poller.poll(int(timeout_s * 1000)))
 
 
-def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
+def _read_exit_status_once(process: mp.process.BaseProcess, lock: threading.RLock | None = None) -> None:
     """Make the reads of a worker's exit status take turns, whatever its start method.
 
     Python's readers are not thread-safe, and the owner has many: this supervisor's monitor and joins, and
@@ -536,14 +543,18 @@ def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
 
     The lock is re-entrant and a read in progress is flagged: a signal handler or a garbage-collected
     object's finalizer (an engine's ``__del__`` stopping it) that runs in the middle of this thread's read
-    and asks again gets the code as known so far instead of waiting for itself forever.
+    and asks again gets the code as known so far instead of waiting for itself forever. A supervisor passes
+    its status lock: with one lock for both, a read that stops the supervisor from a handler cannot wait
+    for the status lock while the monitor, holding it, waits for the read's.
     """
     popen = getattr(process, "_popen", None)
     if popen is None or getattr(popen, "_simstream_reads_in_turn", False):
         return
     # a weak reference: the wrapper is an attribute of the Popen, which it must not keep alive in a cycle
     # (its finalizer closes the status pipe once the process is dropped)
-    read, lock, owner = type(popen).poll, threading.RLock(), weakref.ref(popen)
+    read, owner = type(popen).poll, weakref.ref(popen)
+    lock = lock if lock is not None else threading.RLock()
+    forkserver = getattr(popen, "method", None) == "forkserver"
     reading = [False]
 
     def read_in_turn(target) -> tuple[bool, int | None]:
@@ -567,12 +578,23 @@ def _read_exit_status_once(process: mp.process.BaseProcess) -> None:
             done, code = read_in_turn(target)
             if code is not None or flag == os.WNOHANG or not done:
                 return code
+            if not forkserver and not _waitable(target.pid):
+                return None  # reaped by someone else (SIGCHLD ignored, os.wait()): CPython returns None too
             # a blocking poll (join() without a timeout): wait outside the lock, in slices, for a status
             # to read (a fork worker's sentinel stays open while a child it forked holds the pipe)
             wait_for_sentinels([target.sentinel], timeout=_JOIN_SLICE_S)
 
     popen.poll = poll
     popen._simstream_reads_in_turn = True
+
+
+def _waitable(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process whose status ``waitpid()`` can still take."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def _kill_group(leader: int) -> None:
@@ -605,11 +627,8 @@ def _monitor_workers(
         ready = wait_for_sentinels(list(pending), timeout=0.1)
         for sentinel in ready:
             label, _, process = pending.pop(sentinel)
+            exitcode = _read_exit_code(process, status_lock)
             with status_lock:
-                exitcode = process.exitcode  # at once: a fork/spawn sentinel held by a child never comes
-                if exitcode is None:
-                    process.join(1.0)
-                    exitcode = process.exitcode
                 exit_read.set()
             # Deaths we caused with terminate()/kill() are reported by shutdown(), not as failures.
             if not (channel.is_set() or forcing.is_set() or (is_closing() and exitcode == 0)):
@@ -622,6 +641,18 @@ def _monitor_workers(
                     message = f"{label} sent no heartbeat for {age:.1f} s (hang_timeout_s={hang_timeout_s})"
                     channel.publish(TimeoutError(message), label)
                     _notify(on_exit)
+
+
+def _read_exit_code(process: mp.process.BaseProcess, status_lock: threading.RLock) -> int | None:
+    """The exit code of a worker whose exit signal fired: read at once, or within a second (a status the
+    fork server is still sending), the status lock held for each non-blocking read only."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        with status_lock:
+            exitcode = process.exitcode
+        if exitcode is not None or time.monotonic() >= deadline:
+            return exitcode
+        threading.Event().wait(0.01)  # a sentinel at its end reads as ready at once: no busy loop
 
 
 @contextlib.contextmanager
