@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -15,13 +14,6 @@ from simstream.lerobot import LeRobotFormatError, LeRobotSpec
 from .test_names_and_fixture import FIXTURE
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def fixture_copy(tmp_path) -> Path:
-    root = tmp_path / "ds"
-    shutil.copytree(FIXTURE, root)
-    return root
 
 
 # ------------------------------------------------------------------------------------ LeRobotSpec

@@ -23,13 +23,6 @@ from .test_names_and_fixture import FIXTURE
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def fixture_copy(tmp_path) -> Path:
-    root = tmp_path / "ds"
-    shutil.copytree(FIXTURE, root)
-    return root
-
-
 def _read_all(root: Path, **kwargs) -> None:
     source = LeRobotSpec(root, **kwargs).build(0, 0)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from simstream.rl import APPOConfig, APPORunner, RolloutRing, RunnerConfig, WeightBuffer
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
+from tests.support.errors import assert_names_the_value
 
 pytestmark = pytest.mark.timeout(60)
 CTX = mp.get_context("spawn")
@@ -23,14 +23,6 @@ def _tiny(**overrides) -> APPOConfig:
         hidden_sizes=(16,), stats_window=2, mode="serial", runner=RunnerConfig(shutdown_timeout_s=10.0),
     )  # fmt: skip
     return APPOConfig(**{**base, **overrides})
-
-
-def _assert_names_the_value(error: pytest.ExceptionInfo, kwargs: dict) -> None:
-    """A one-setting case's message ends its rule with ``got <the value>`` (a path shows as its string)."""
-    if len(kwargs) == 1:
-        value = next(iter(kwargs.values()))
-        shown = repr(str(value)) if isinstance(value, Path) else repr(value)
-        assert f"got {shown}" in str(error.value), str(error.value)
 
 
 # ------------------------------------------------------------------------------------- APPOConfig
@@ -70,7 +62,7 @@ def _assert_names_the_value(error: pytest.ExceptionInfo, kwargs: dict) -> None:
 def test_appo_config_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         APPOConfig(**kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +109,7 @@ def test_learn_names_the_bad_argument_before_anything_starts(kwargs, message):
     try:
         with pytest.raises(ValueError, match=re.escape(message)) as error:
             runner.learn(**{"max_iterations": 1, "log_dir": None, **kwargs})
-        _assert_names_the_value(error, kwargs)
+        assert_names_the_value(error, kwargs)
         assert runner.ring is None and runner.iterations_done == 0  # nothing was allocated or trained
     finally:
         runner.close()

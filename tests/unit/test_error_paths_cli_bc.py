@@ -17,16 +17,9 @@ from simstream.bc.policy import ChunkPolicy, PolicyConfig
 from simstream.bc.text import HashedTextEmbedding
 from simstream.cli.eval import EvalArgs, write_video
 from simstream.cli.inspect import InspectArgs
+from tests.support.errors import assert_names_the_value
 
 _INT64_MAX = 2**63 - 1
-
-
-def _assert_names_the_value(error: pytest.ExceptionInfo, kwargs: dict) -> None:
-    """A one-setting case's message ends its rule with ``got <the value>`` (a path shows as its string)."""
-    if len(kwargs) == 1:
-        value = next(iter(kwargs.values()))
-        shown = repr(str(value)) if isinstance(value, Path) else repr(value)
-        assert f"got {shown}" in str(error.value), str(error.value)
 
 
 # ------------------------------------------------------------------------------------------ inspect
@@ -49,7 +42,7 @@ def test_inspect_args_name_the_bad_field(kwargs, message, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)  # the default strip path is checked relative to the working directory
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         InspectArgs(**kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 def test_inspect_out_that_is_a_folder_is_refused(tmp_path):
@@ -83,7 +76,7 @@ def test_inspect_out_that_is_a_folder_is_refused(tmp_path):
 def test_eval_args_name_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         EvalArgs(checkpoint=Path("checkpoint.pt"), **kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 @pytest.mark.parametrize("name", ["video", "json_out"])
@@ -148,7 +141,7 @@ def test_an_mp4_the_writer_cannot_encode_says_what_to_install(tmp_path, monkeypa
 def test_demo_config_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         DemoConfig(**kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 def test_demo_config_refuses_a_record_path_that_is_a_file_or_the_replayed_dataset(tmp_path):
@@ -185,7 +178,7 @@ def test_demo_config_refuses_a_record_path_that_is_a_file_or_the_replayed_datase
 def test_policy_config_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         PolicyConfig(**kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +199,7 @@ def test_policy_config_names_the_bad_field(kwargs, message):
 def test_camera_source_spec_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         CameraSourceSpec(**kwargs)
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 # ----------------------------------------------------------------------------------- bc checkpoints

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from simstream.data import OnlineDataset
 from simstream.sampling.sampler import _MAX_TORN_ROUNDS
 from simstream.synthetic import SyntheticSpec
 from tests.support.engines import make_cfg, stop_quietly
+from tests.support.errors import assert_names_the_value
 from tests.support.harness import Harness
 from tests.support.sources import ScriptedSpec
 
@@ -46,14 +46,6 @@ def _cfg(**overrides) -> OnlineDataEngineCfg:
     values = {"source": ScriptedSpec(num_envs=2, max_episode_steps=20), "buffer_size": 4}
     values.update(overrides)
     return OnlineDataEngineCfg(**values)
-
-
-def _assert_names_the_value(error: pytest.ExceptionInfo, kwargs: dict) -> None:
-    """A one-setting case's message ends its rule with ``got <the value>`` (a path shows as its string)."""
-    if len(kwargs) == 1:
-        value = next(iter(kwargs.values()))
-        shown = repr(str(value)) if isinstance(value, Path) else repr(value)
-        assert f"got {shown}" in str(error.value), str(error.value)
 
 
 # ------------------------------------------------------------------------------------ engine config
@@ -110,7 +102,7 @@ def test_engine_config_names_the_bad_field(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         _cfg(**overrides).validate()
     if "source" not in overrides:  # a source is not shown; its bad setting is
-        _assert_names_the_value(error, overrides)
+        assert_names_the_value(error, overrides)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +178,7 @@ _SMALL = {"num_envs": 1, "max_episode_steps": 10, "min_length": 5, "num_segments
 def test_synthetic_spec_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         SyntheticSpec(**{**_SMALL, **kwargs})
-    _assert_names_the_value(error, kwargs)
+    assert_names_the_value(error, kwargs)
 
 
 # ---------------------------------------------------------------------------- OnlineDataset arguments
