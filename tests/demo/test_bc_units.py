@@ -549,6 +549,31 @@ def test_demo_config_rejects_bad_values(kwargs, message):
         DemoConfig(**kwargs)
 
 
+def test_a_normalisation_batch_that_would_not_fit_in_memory_is_refused_before_anything_starts(
+    monkeypatch, tmp_path
+):
+    """Only the training batch was checked: the 8192 contexts the normalisation is fitted on (3.4 GiB at
+    history = horizon = 1024) failed once the producers ran, or were OOM-killed."""
+    import simstream.sampling.gather as gather
+    from simstream.bc.demo import check_demo_setup
+
+    monkeypatch.setattr(gather, "physical_memory", lambda: 2 * 2**30)
+    long = DemoConfig(
+        history=1024, horizon=1024, max_episode_steps=2048, batch_size=1, runs_dir=str(tmp_path)
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "DemoConfig.history=1024 with horizon=1024: the 8192 contexts the normalisation is fitted on "
+            "need 3.4 GiB, more than this machine's 2.0 GiB of memory; history + horizon - 1 can be at most "
+            "1202 here"
+        ),
+    ):
+        check_demo_setup(long)
+    assert check_demo_setup(DemoConfig(runs_dir=str(tmp_path))) is not None  # the defaults fit
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_quick_preset_keeps_other_settings():
     quick = DemoConfig(seed=3).with_quick()
     assert quick.quick and quick.seed == 3 and quick.steps < DemoConfig().steps

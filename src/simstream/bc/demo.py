@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import threading
@@ -33,7 +34,7 @@ from .policy import ChunkPolicy
 from .recording import check_dataset_task, check_record_target, demo_recorder, demo_source
 from .report import write_plots, write_report, write_strips
 from .text import HashedTextEmbedding
-from .train import TrainingLog, fit_normalizer, train_policy
+from .train import NORMALIZER_CONTEXTS, NORMALIZER_KEYS, TrainingLog, fit_normalizer, train_policy
 from .vision import VisionPolicy, VisionPolicyConfig
 
 __all__ = ["check_demo_setup", "run_demo", "start_with_progress"]
@@ -177,15 +178,27 @@ def _check_batch_fits(cfg: DemoConfig, engine_cfg: Any, layout: Any) -> None:
     """One batch of contexts must fit this machine's memory (``sample_batch_with_context`` refuses it too,
     but only once the producers run and training has begun)."""
     from simstream.buffer.storage import TrajectoryStorage
-    from simstream.sampling.gather import require_batch_fits
+    from simstream.sampling.gather import physical_memory, require_batch_fits
 
     frame = TrajectoryStorage.frame_bytes(layout, engine_cfg.include_provenance)
+    context = cfg.history + cfg.horizon - 1
     require_batch_fits(
-        cfg.batch_size,
-        (cfg.history + cfg.horizon - 1) * frame,
-        f"DemoConfig.batch_size={cfg.batch_size}",
-        batch="batch of contexts",
+        cfg.batch_size, context * frame, f"DemoConfig.batch_size={cfg.batch_size}", batch="batch of contexts"
     )
+    # the normalisation's one big batch: low-dimensional keys, task_index (8 bytes), valid and loss_mask
+    low_dim = sum(
+        math.prod(field.shape) * field.dtype.itemsize
+        for name, field in layout.fields.items()
+        if name in NORMALIZER_KEYS
+    )
+    needed, memory = NORMALIZER_CONTEXTS * context * (low_dim + 10), physical_memory()
+    if needed > memory:
+        raise ValueError(
+            f"DemoConfig.history={cfg.history} with horizon={cfg.horizon}: the {NORMALIZER_CONTEXTS} "
+            f"contexts the normalisation is fitted on need {needed / 2**30:.1f} GiB, more than this "
+            f"machine's {memory / 2**30:.1f} GiB of memory; history + horizon - 1 can be at most "
+            f"{memory // (NORMALIZER_CONTEXTS * (low_dim + 10))} here"
+        )
 
 
 def _check_run_folder(cfg: DemoConfig) -> None:

@@ -25,6 +25,11 @@ from .prefetch import BatchPrefetcher
 from .text import HashedTextEmbedding
 from .vision import VisionPolicy, policy_keys, vision_context_batch
 
+NORMALIZER_CONTEXTS = 8192
+"""Contexts the normalisation is fitted on (one batch of the low-dimensional keys, no camera frames)."""
+NORMALIZER_KEYS = ("obs/state", "obs/objects", "actions")
+"""The payload fields that batch holds at most (with ``task_index``, ``valid`` and ``loss_mask``)."""
+
 if TYPE_CHECKING:
     from simstream import OnlineDataEngine
 
@@ -134,9 +139,9 @@ def fit_normalizer(
     instructions: InstructionTable,
     generator: torch.Generator,
 ) -> int:
-    """Fit the policy's normalisation on 8192 contexts sampled from the buffer now (the first generation,
-    and whatever the producers refilled meanwhile); returns the count."""
-    data = batch_sampler(engine, policy, instructions, 8192, generator, images=False)()
+    """Fit the policy's normalisation on :data:`NORMALIZER_CONTEXTS` contexts sampled from the buffer now
+    (the first generation, and whatever the producers refilled meanwhile); returns the count."""
+    data = batch_sampler(engine, policy, instructions, NORMALIZER_CONTEXTS, generator, images=False)()
     if isinstance(policy, VisionPolicy):
         objects = data.object_targets
         policy.fit_normalizer(data.proprio, data.history_mask, data.targets, data.loss_mask, objects)
