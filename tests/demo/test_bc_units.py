@@ -564,9 +564,9 @@ def test_a_normalisation_batch_that_would_not_fit_in_memory_is_refused_before_an
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "DemoConfig.history=1024 with horizon=1024: the 8192 contexts the normalisation is fitted on "
-            "need 3.4 GiB, more than this machine's 2.0 GiB of memory; history + horizon - 1 can be at most "
-            "1202 here"
+            "DemoConfig.history=1024 with horizon=1024 needs 3.4 GiB for one batch of the 8192 contexts the "
+            "normalisation is fitted on, more than this machine's 2.0 GiB of memory: history + horizon - 1 "
+            "can be at most 1202 here"
         ),
     ):
         check_demo_setup(long)

@@ -155,9 +155,7 @@ def check_demo_setup(cfg: DemoConfig) -> Any:
     _check_run_folder(cfg)
     engine_cfg = engine_config(cfg)
     layout = engine_cfg.validate()
-    if (
-        cfg.dataset is not None
-    ):  # the rows are as long as the dataset's longest episode, not max_episode_steps
+    if cfg.dataset is not None:  # its rows are as long as its longest episode, not max_episode_steps
         for name in ("history", "horizon"):
             require(
                 getattr(cfg, name) <= layout.max_episode_steps, "DemoConfig", name,
@@ -178,7 +176,7 @@ def _check_batch_fits(cfg: DemoConfig, engine_cfg: Any, layout: Any) -> None:
     """One batch of contexts must fit this machine's memory (``sample_batch_with_context`` refuses it too,
     but only once the producers run and training has begun)."""
     from simstream.buffer.storage import TrajectoryStorage
-    from simstream.sampling.gather import physical_memory, require_batch_fits
+    from simstream.sampling.gather import require_batch_fits
 
     frame = TrajectoryStorage.frame_bytes(layout, engine_cfg.include_provenance)
     context = cfg.history + cfg.horizon - 1
@@ -191,14 +189,13 @@ def _check_batch_fits(cfg: DemoConfig, engine_cfg: Any, layout: Any) -> None:
         for name, field in layout.fields.items()
         if name in NORMALIZER_KEYS
     )
-    needed, memory = NORMALIZER_CONTEXTS * context * (low_dim + 10), physical_memory()
-    if needed > memory:
-        raise ValueError(
-            f"DemoConfig.history={cfg.history} with horizon={cfg.horizon}: the {NORMALIZER_CONTEXTS} "
-            f"contexts the normalisation is fitted on need {needed / 2**30:.1f} GiB, more than this "
-            f"machine's {memory / 2**30:.1f} GiB of memory; history + horizon - 1 can be at most "
-            f"{memory // (NORMALIZER_CONTEXTS * (low_dim + 10))} here"
-        )
+    require_batch_fits(  # frames of a context, each frame as many bytes as all the contexts' frames
+        context,
+        NORMALIZER_CONTEXTS * (low_dim + 10),
+        f"DemoConfig.history={cfg.history} with horizon={cfg.horizon}",
+        batch=f"batch of the {NORMALIZER_CONTEXTS} contexts the normalisation is fitted on",
+        limit="history + horizon - 1",
+    )
 
 
 def _check_run_folder(cfg: DemoConfig) -> None:
@@ -230,12 +227,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     began = time.monotonic()
     engine_cfg = check_demo_setup(cfg)  # a bad setting fails here, before anything is written
     source = engine_cfg.source
-    if cfg.name is None:  # created here: two runs started in the same second get two folders
-        name = claim_run_folder(cfg.runs_dir, "demo")
-    else:
-        name = cfg.name
-        (Path(cfg.runs_dir) / name).mkdir(parents=True, exist_ok=True)  # new, or empty (check_demo_setup)
+    # an unnamed run claims (creates) its folder: two started in the same second get two
+    name = cfg.name if cfg.name is not None else claim_run_folder(cfg.runs_dir, "demo")
     run_dir = Path(cfg.runs_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)  # claimed, or a named run's: new or empty (check_demo_setup)
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     policy_config = cfg.policy_config

@@ -138,9 +138,8 @@ class APPOLearner:
             value_coef=cfg.value_coef,
             entropy_coef=cfg.entropy_coef,
         )
-        moved = (
-            None  # KL(policy at this update's start || current), measured as kl_target is: before the step
-        )
+        # KL(policy at this update's start || current), measured as kl_target is: before the step
+        moved = None
         if "start_mean" in mb:  # target_update_interval > 1 (else the target is that start policy)
             with torch.no_grad():
                 current = Normal(dist.mean.detach(), dist.stddev.detach())

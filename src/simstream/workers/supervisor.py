@@ -319,14 +319,16 @@ class WorkerSupervisor:
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            began = time.monotonic()
             with self._status_lock:  # a shutdown closes the processes under it
                 process = self._processes.get(label)
                 if process is None:
                     return self._final_exitcodes[label]
-                process.join(max(0.0, min(_JOIN_SLICE_S, deadline - time.monotonic())))
+                process.join(max(0.0, min(_JOIN_SLICE_S, deadline - began)))
                 code = process.exitcode
             if code is not None or time.monotonic() >= deadline:
                 return code
+            _wait_out_slice(began, deadline)
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
@@ -503,14 +505,9 @@ class WorkerSupervisor:
                     process.join(max(0.0, min(_JOIN_SLICE_S, deadline - began)))
                     if process.exitcode is not None:
                         break
-                now = time.monotonic()
-                if now >= deadline:
+                if time.monotonic() >= deadline:
                     break
-                # a join that returned early without a status (one reaped elsewhere: SIGCHLD ignored,
-                # os.wait()) would make this a busy loop: the rest of the slice is waited out
-                rest = min(_JOIN_SLICE_S, deadline - now) - (now - began)
-                if rest > 0:
-                    threading.Event().wait(rest)
+                _wait_out_slice(began, deadline)
 
     def stop_monitor(self, timeout_s: float = _MONITOR_STOP_S) -> bool:
         """Stop the monitor thread; ``False`` if it did not stop in time."""
@@ -521,6 +518,14 @@ class WorkerSupervisor:
                 return False
             self._monitor = None
         return True
+
+
+def _wait_out_slice(began: float, deadline: float) -> None:
+    """Wait out the rest of a join slice begun at ``began``: a join that returned early without a status
+    (a worker reaped elsewhere: SIGCHLD ignored, ``os.wait()``) would make its loop a busy one."""
+    rest = began + min(_JOIN_SLICE_S, deadline - began) - time.monotonic()
+    if rest > 0:
+        threading.Event().wait(rest)
 
 
 def _pidfd_exited(fd: int, timeout_s: float) -> bool:
