@@ -181,6 +181,8 @@ def test_normalizer_uses_valid_frames_and_targets_only():
         ("horizon", 0, "in [1, 1024]"),
         ("history", 100_000, "in [1, 1024]"),  # accepted: a 5 GiB first layer before a weight was checked
         ("horizon", 1025, "in [1, 1024]"),
+        ("history", True, "in [1, 1024]"),
+        ("horizon", 4.0, "in [1, 1024]"),
         ("hidden", 2, "in [8, 8192]"),
         ("hidden", 10_000_000, "in [8, 8192]"),  # failed in the allocator after 30 s, a run folder made
         ("layers", 0, "in [1, 32]"),
