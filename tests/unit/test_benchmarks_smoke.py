@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pickle
@@ -31,8 +32,10 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 @pytest.fixture(scope="module")
 def quick_runs() -> dict[str, subprocess.Popen]:
-    """The quick benchmarks, started together (they mostly wait on engines, so they overlap well)."""
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    """The quick benchmarks, started together (they mostly wait on engines, so they overlap well), each
+    in a session of its own: a hung one is ended with everything it started (a producer that outlived it
+    would hold the output pipe open), after every Python process of it printed its stacks."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONFAULTHANDLER="1")
     runs = {
         name: subprocess.Popen(
             [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick"],
@@ -41,23 +44,34 @@ def quick_runs() -> dict[str, subprocess.Popen]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         for name in ("sampling", "production", "huge_pages", "recording")
     }
     yield runs
     for process in runs.values():
         if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+            _end_session(process, signal.SIGKILL)
+            process.communicate(timeout=30)
+
+
+def _end_session(process: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
 
 
 def _output(process: subprocess.Popen) -> str:
     try:
         output, _ = process.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate(timeout=30)
-        pytest.fail(f"benchmark did not finish within {TIMEOUT_S} s:\n{output[-4000:]}")
+        # SIGABRT: each process's faulthandler prints its Python stacks, then it dies
+        _end_session(process, signal.SIGABRT)
+        try:
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            _end_session(process, signal.SIGKILL)
+            output, _ = process.communicate(timeout=30)
+        pytest.fail(f"benchmark did not finish within {TIMEOUT_S} s:\n{output[-12000:]}")
     assert process.returncode == 0, output[-4000:]
     return output
 

@@ -14,6 +14,10 @@ from pathlib import Path
 os.environ.setdefault("MUJOCO_GL", "egl")
 # llvmpipe renders small images as fast on one thread and then does not fight the other workers.
 os.environ.setdefault("LP_NUM_THREADS", "1")
+# Mesa's shader disk cache saves ~70 ms on a process's first render, but its writer thread can hold the
+# process's exit for seconds on a busy machine (the kernel waits for its file I/O): producers then miss
+# their shutdown bound and are terminated. MESA_SHADER_CACHE_DISABLE=false turns it back on.
+os.environ.setdefault("MESA_SHADER_CACHE_DISABLE", "true")
 
 import mujoco
 import numpy as np
