@@ -19,8 +19,11 @@ lint: venv
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
 
+# Two test processes (pytest-xdist), one module each at a time: the suite mostly waits on the processes it
+# starts, and alone it kept one of two cores busy. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 	@$(MAKE) --no-print-directory test-ray
 
 test-ray: venv
