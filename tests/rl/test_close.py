@@ -119,21 +119,27 @@ def test_the_cli_mode_flags_choose_the_mode(tmp_path):
     assert modes == ["serial", "sync"]
 
 
-@pytest.mark.parametrize("mode", ["async", "serial"])
-def test_a_collector_that_failed_to_start_is_named_by_every_later_learn(monkeypatch, mode):
-    """A spawn that fails once (EAGAIN), or a serial collector whose environments cannot be built, leaves a
-    runner without a collector: the next learn() says so at once instead of waiting data_timeout_s and
-    blaming a live collector that never existed (serial mode waited)."""
+@pytest.mark.parametrize(
+    ("mode", "failing"),
+    [("async", "spawn"), ("serial", "collector"), ("sync", "weight buffer"), ("serial", "weight buffer")],
+)
+def test_a_collector_that_failed_to_start_is_named_by_every_later_learn(monkeypatch, mode, failing):
+    """A spawn that fails once (EAGAIN), a serial collector whose environments cannot be built, or shared
+    memory for the policy that cannot be set up (/dev/shm full) leaves a runner without a collector: the
+    next learn() says so at once instead of waiting data_timeout_s and blaming a live collector that never
+    existed (serial mode, and a failure before the collector's start, waited)."""
     from simstream.rl import appo_runner
     from simstream.workers import supervisor
 
     def failing_start(*args, **kwargs):
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    if mode == "async":
-        monkeypatch.setattr(supervisor.WorkerSupervisor, "start", failing_start)
-    else:
-        monkeypatch.setattr(appo_runner, "RolloutCollector", failing_start)
+    patched = {
+        "spawn": (supervisor.WorkerSupervisor, "start"),
+        "collector": (appo_runner, "RolloutCollector"),
+        "weight buffer": (appo_runner, "WeightBuffer"),
+    }[failing]
+    monkeypatch.setattr(*patched, failing_start)
     cfg = APPOConfig(
         env_id=env_id("none"), num_envs=2, steps_per_rollout=16, minibatch_size=16, hidden_sizes=(16,),
         mode=mode, runner=RunnerConfig(data_timeout_s=600.0, shutdown_timeout_s=5.0),

@@ -322,6 +322,66 @@ def test_a_serial_rollout_cut_short_gives_its_ring_slot_back(ctrl_c_raises):
     assert summary["status"] == "completed" and summary["iterations"] == 3
 
 
+def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_learn(monkeypatch, ctrl_c_raises):
+    """A Ctrl-C just after a rollout was copied out of the ring, before its update, lost it: the sync
+    collector then waited for a newer policy and the learner for a rollout, and every later learn()
+    timed out. The rollout is now kept and trained on first by the next learn()."""
+    import signal
+
+    from simstream.rl.ring import RolloutRing
+
+    gather, calls = RolloutRing.gather, {"count": 0}
+
+    def interrupted_gather(ring, taken):
+        out = gather(ring, taken)
+        calls["count"] += 1
+        if calls["count"] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(RolloutRing, "gather", interrupted_gather)
+    cfg = _tiny(mode="sync", runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
+    with APPORunner(cfg) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(10, log_dir=None)
+        assert runner.iterations_done == 1 and runner._untrained is not None
+        kept = runner._untrained[1]["obs"].clone()
+        update = runner.learner.update
+        trained = []
+        monkeypatch.setattr(runner.learner, "update", lambda batch: (trained.append(batch), update(batch))[1])
+        summary = runner.learn(2, log_dir=None)
+    assert summary["status"] == "completed" and summary["iterations"] == 3
+    assert torch.equal(trained[0]["obs"], kept)  # the rollout taken before the Ctrl-C, first
+    assert runner.ring.stats().consumed == 3
+
+
+def test_a_ctrl_c_inside_a_serial_environment_step_lets_the_step_finish(ctrl_c_raises):
+    """Serial mode steps the environments in the learner's thread: a Ctrl-C inside ``envs.step`` left the
+    environments a step ahead of the observation the collector kept (and of its episode counters), so
+    the next rollout began from a stale observation."""
+    import signal
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(1, log_dir=None)
+        collector = runner._serial
+        step, returned = collector.envs.step, []
+
+        def interrupted_step(actions):
+            result = step(actions)
+            returned.append(result[0])
+            signal.raise_signal(signal.SIGINT)
+            return result
+
+        collector.envs.step = interrupted_step
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(1, log_dir=None)
+        collector.envs.step = step
+        assert len(returned) == 1
+        assert torch.equal(collector.obs, torch.as_tensor(returned[0], dtype=torch.float32))
+        summary = runner.learn(1, log_dir=None)
+    assert summary["status"] == "completed"
+
+
 def test_load_checkpoint_on_a_closed_runner_is_refused_before_anything_changes(tmp_path):
     runner = APPORunner(_tiny(mode="serial"))
     with runner:

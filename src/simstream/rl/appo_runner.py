@@ -87,6 +87,8 @@ class APPORunner(AsyncRunner):
         self.policy_version = 0
         self.iterations_done = 0
         self._updating = False
+        self._untrained: tuple | None = None
+        """A batch taken from the ring and not trained on yet (kept across a Ctrl-C)."""
         self.trained_frames = 0
         self._frames_before = 0  # env frames of earlier runs (resume)
         self._frames_at_learn = 0  # env_frames when the current (or last) learn() call began
@@ -157,13 +159,18 @@ class APPORunner(AsyncRunner):
         cfg, spec = self.config, self._spec()
         if cfg.mode != "serial":  # the collector copies the weights without a lock, in another process
             require_ordered_memory(f"APPORunner (mode={cfg.mode!r})")
-        # Shared memory is allocated once, here in the owner, and registered for release by close().
-        self.ring = self._register_shared(RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN))
-        self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
-        self.weights.publish(self.learner.snapshot(), self.policy_version)
-        try:  # a collector that failed to start (or a Ctrl-C meanwhile): later calls say so at once
+        # A collector that failed to start, or shared memory that could not be set up for it (/dev/shm
+        # full, a Ctrl-C meanwhile): later calls say so at once instead of waiting for rollouts.
+        try:
+            # Shared memory is allocated once, here in the owner, and registered for release by close().
+            ring = RolloutRing(ring_fields(spec), cfg.num_slots, cfg.overflow, _SPAWN)
+            self.ring = self._register_shared(ring)
+            self.weights = self._register_shared(WeightBuffer(packed_size(self.learner.model, self.obs_dim)))
+            self.weights.publish(self.learner.snapshot(), self.policy_version)
             if cfg.mode == "serial":
-                self._serial = self._register_shared(RolloutCollector(spec, self.ring, self.weights))
+                self._serial = self._register_shared(
+                    RolloutCollector(spec, self.ring, self.weights, in_learner=True)
+                )
             else:
                 self._start_collector(
                     {"spec": spec, "ring": self.ring, "weights": self.weights}, crash_dir=crash_dir
@@ -292,6 +299,7 @@ class APPORunner(AsyncRunner):
             try:
                 metrics = self.learner.update(batch)
             finally:
+                self._untrained = None  # trained on (or its update failed: it is not tried again)
                 # published even after a failed update: the learner's weights are the current policy
                 # either way, and a sync collector waits for a newer version before its next rollout
                 self.policy_version += 1
@@ -333,6 +341,8 @@ class APPORunner(AsyncRunner):
     def _next_batch(
         self,
     ) -> tuple[list[TakenSlot], dict, list[tuple[float, float]], dict[str, float], torch.Tensor]:
+        if self._untrained is not None:  # taken by a learn() that a Ctrl-C ended before its update
+            return self._untrained
         cfg, ring = self.config, self.ring
         if self._serial is not None:
             self._serial.pull_weights(lambda: False, -1)
@@ -343,31 +353,23 @@ class APPORunner(AsyncRunner):
         capped = cfg.max_policy_lag is not None and cfg.mode == "async"
         min_version = self.policy_version - cfg.max_policy_lag if capped else None
 
-        held: list[TakenSlot] = []
-
-        def poll(slice_s: float) -> list[TakenSlot] | None:
-            with ctrl_c_deferred():  # a Ctrl-C between taking slots and noting them would keep them
-                held.extend(ring.take(max_count, min_version, check=self.check_collector))
-            if held:
-                return held
+        def poll(slice_s: float) -> tuple | None:
+            # Taking slots, copying them out, giving them back and keeping the batch until its update are
+            # one step for a Ctrl-C (it lands before or after; the copy takes milliseconds): landing in
+            # between, it lost the rollout, and a sync collector then waited forever for a newer version.
+            with ctrl_c_deferred():
+                taken = ring.take(max_count, min_version, check=self.check_collector)
+                if taken:
+                    try:
+                        data = ring.gather(taken)
+                    finally:
+                        ring.free(taken)
+                    self._untrained = (taken, *_batch_of(data))
+                    return self._untrained
             ring.wait_filled(slice_s)
             return None
 
-        try:
-            taken = self._wait_until(poll, self.runner_config.data_timeout_s, "rollout")
-            data = ring.gather(taken)
-        finally:
-            if held:
-                ring.free(held)
-        batch = {key: _env_major(data[key]) for key in ("obs", "actions", "logp", "rewards", "dones")}
-        batch["last_obs"] = data["last_obs"].flatten(0, 1)
-        episodes = []
-        for i, count in enumerate(data["num_episodes"].tolist()):
-            episodes += zip(
-                data["episode_returns"][i, :count].tolist(), data["episode_lengths"][i, :count].tolist()
-            )
-        timing = dict(zip(TIMING_KEYS, data["timing_s"].mean(0).tolist()))
-        return taken, batch, episodes, timing, data["versions"]
+        return self._wait_until(poll, self.runner_config.data_timeout_s, "rollout")
 
     def _no_free_slot_within(self, timeout_s: float) -> Callable[[], bool]:
         """The serial collector's stop check: never stop, but raise past ``timeout_s`` (a rollout that
@@ -481,15 +483,18 @@ class APPORunner(AsyncRunner):
                     f"{name}={current!r} (the learner would restore the checkpoint's, the collector build "
                     "this one's): pass the checkpoint's value"
                 )
-        self.learner.load_state_dict(state["learner"])
-        restored = int(state["policy_version"])
-        self.policy_version = restored if self.weights is None else max(restored, self.policy_version + 1)
-        self.iterations_done = int(state["iterations"])
-        self.trained_frames = int(state["trained_frames"])
-        committed = 0 if self.ring is None else self.ring.stats().committed
-        self._frames_before = int(state["env_frames"]) - committed * self.config.frames_per_rollout
-        if self.weights is not None:
-            self.weights.publish(self.learner.snapshot(), self.policy_version)
+        # all or nothing for a Ctrl-C: a publish cut short left the collector a half-written policy (it
+        # gave up reading it after 5 s and died), a load cut short a model no counter described
+        with ctrl_c_deferred():
+            self.learner.load_state_dict(state["learner"])
+            restored = int(state["policy_version"])
+            self.policy_version = restored if self.weights is None else max(restored, self.policy_version + 1)
+            self.iterations_done = int(state["iterations"])
+            self.trained_frames = int(state["trained_frames"])
+            committed = 0 if self.ring is None else self.ring.stats().committed
+            self._frames_before = int(state["env_frames"]) - committed * self.config.frames_per_rollout
+            if self.weights is not None:
+                self.weights.publish(self.learner.snapshot(), self.policy_version)
 
     def _summary(self, status: str, wall_s: float, checkpoint: str | None, failure: str | None) -> dict:
         ring = self.ring.stats() if self.ring is not None else None
@@ -516,6 +521,22 @@ class APPORunner(AsyncRunner):
             "failure": failure,
             "close_errors": None if self.last_close_report is None else list(self.last_close_report.errors),
         }
+
+
+def _batch_of(
+    data: dict[str, torch.Tensor],
+) -> tuple[dict, list[tuple[float, float]], dict[str, float], torch.Tensor]:
+    """The learner's batch (env-major), the finished episodes' (return, length), the collector's mean
+    timings and the per-step policy versions of rollouts copied out of the ring."""
+    batch = {key: _env_major(data[key]) for key in ("obs", "actions", "logp", "rewards", "dones")}
+    batch["last_obs"] = data["last_obs"].flatten(0, 1)
+    episodes = []
+    for i, count in enumerate(data["num_episodes"].tolist()):
+        episodes += zip(
+            data["episode_returns"][i, :count].tolist(), data["episode_lengths"][i, :count].tolist()
+        )
+    timing = dict(zip(TIMING_KEYS, data["timing_s"].mean(0).tolist()))
+    return batch, episodes, timing, data["versions"]
 
 
 def _env_major(stacked: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ version that chose its action, and the ring stamps the rollout with its oldest v
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..workers.supervisor import owner_watch
+from ..workers.supervisor import ctrl_c_deferred, owner_watch
 from .appo import check_finite
 from .model import ActorCritic, ObsNormalizer, unpack_policy
 from .ring import RolloutRing
@@ -110,8 +111,14 @@ class RolloutCollector:
         ring: RolloutRing,
         weights: WeightBuffer,
         beat: Callable[[], None] = lambda: None,
+        *,
+        in_learner: bool = False,
     ) -> None:
         self.spec, self.ring, self.weights, self.beat = spec, ring, weights, beat
+        # In the learner's own thread (serial mode) a Ctrl-C waits for the step it lands in: inside
+        # envs.step it left the envs a step ahead of the observation and the episode counters kept here
+        # (a later learn() then joined two episodes into one, without a done between them).
+        self._whole_step = ctrl_c_deferred if in_learner else contextlib.nullcontext
         self.envs = _make_vector_env(spec.env_id, spec.num_envs)
         obs_shape, act_shape = self.envs.single_observation_space.shape, self.envs.single_action_space.shape
         if obs_shape != (spec.obs_dim,) or act_shape != (spec.act_dim,):
@@ -184,7 +191,8 @@ class RolloutCollector:
             if self.spec.refresh_each_step:
                 self._apply_newest_weights()
             view["versions"][t] = self.version
-            episodes = self._step(view, t, episodes)
+            with self._whole_step():
+                episodes = self._step(view, t, episodes)
         view["last_obs"].copy_(self.obs)
         view["num_episodes"].fill_(episodes)
         waited, self._waited_s = self._waited_s + started - began, 0.0
