@@ -45,6 +45,13 @@ _OPEN_VIDEOS_PER_CAMERA = 4
 _OPEN_DATA_FILES = 8
 """Data files an :class:`EpisodeReader` keeps open, with their ``index`` columns."""
 _CACHE_BYTES = 256 * 2**20
+_TIMESTAMP_TOLERANCE_S = 1e-4
+"""How far a decoded frame's time may be from its place on the episode's grid (``from_timestamp + t / fps``):
+LeRobot's own tolerance. A frame further off belongs to no frame of the episode (its timestamps are
+wrong), and rounding it to the nearest one served shifted frames, the last from the next episode."""
+_SEEK_MARGIN_FRAMES = 2
+"""Frames before an episode's start that its video read seeks to: with B-frames and open GOPs (HEVC's
+defaults), the keyframe a seek to the start itself finds may come after the start in display order."""
 """Decoded row groups a reader keeps: a replayed dataset of that size is read from its files once."""
 
 
@@ -301,6 +308,20 @@ def _wanted_columns(path: Path, schema: Any, features: list[Feature]) -> list[st
     if missing:
         raise LeRobotFormatError(f"{path}: has no column(s) {missing} that meta/info.json declares")
     for f in features:
+        if f.dtype == "image":
+            kind = schema.field(f.key).type
+            if not (
+                pa.types.is_struct(kind)
+                and kind.get_field_index("bytes") >= 0
+                and (
+                    pa.types.is_binary(kind.field("bytes").type)
+                    or pa.types.is_large_binary(kind.field("bytes").type)
+                )
+            ):
+                raise LeRobotFormatError(
+                    f"{path}: column {f.key!r} holds {kind}; an image column holds a struct of the "
+                    "encoded picture's 'bytes' (and its 'path')"
+                )
         if f.visual:
             continue
         stored = _leaf_type(schema.field(f.key).type)
@@ -396,11 +417,14 @@ class EpisodeReader:
 
         with _parquet(path):
             handle = pq.ParquetFile(path)
-            wanted = _wanted_columns(path, handle.schema_arrow, self.features)
-            index_column = handle.read(columns=["index"]).column("index")
-        if index_column.null_count:
-            handle.close()
-            raise LeRobotFormatError(f"{path}: column 'index' is empty (null) for some frames")
+            try:
+                wanted = _wanted_columns(path, handle.schema_arrow, self.features)
+                index_column = handle.read(columns=["index"]).column("index")
+                if index_column.null_count:
+                    raise LeRobotFormatError(f"{path}: column 'index' is empty (null) for some frames")
+            except BaseException:
+                handle.close()  # the error (kept by the caller, with its traceback) holds no open file
+                raise
         index = index_column.to_numpy()
         rows = [handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -464,10 +488,22 @@ class EpisodeReader:
         ep = self.meta.episodes[episode_index]
         path = self.meta.data_path(ep)
         data = self._file(path)
-        hits = np.flatnonzero(data.index == ep["dataset_from_index"])
+        first_index = int(ep["dataset_from_index"])
+        hits = np.flatnonzero(data.index == first_index)
         length = int(ep["length"])
-        if len(hits) != 1 or hits[0] + length > len(data.index):
-            raise LeRobotFormatError(f"{path}: does not hold the {length} frames of episode {episode_index}")
+        # the episode's rows are its indices in order, with none missing: a gap served the next
+        # episode's first frames as its last
+        if (
+            len(hits) != 1
+            or hits[0] + length > len(data.index)
+            or not np.array_equal(
+                data.index[hits[0] : hits[0] + length], np.arange(first_index, first_index + length)
+            )
+        ):
+            raise LeRobotFormatError(
+                f"{path}: does not hold the {length} frames of episode {episode_index} (rows with index "
+                f"{first_index} to {first_index + length - 1}, in order)"
+            )
         count = length if limit is None else min(length, limit)
         columns, offset = self._rows(path, data, int(hits[0]), int(hits[0]) + count)
         lo = int(hits[0]) - offset
@@ -513,18 +549,57 @@ class EpisodeReader:
             self._containers.move_to_end(path)
         stream = container.streams.video[0]
         start = float(ep[f"videos/{feature.key}/from_timestamp"])
-        fps = self.meta.fps
-        first = round(start * fps)
         out = np.empty((length, *feature.shape), dtype=np.uint8)
         filled = np.zeros(length, dtype=bool)
+        # Seek a little before the start; should the episode's first frame still be missing (a long
+        # open GOP), read again from the beginning of the file, which finds every frame.
+        for seek_s in (max(0.0, start - _SEEK_MARGIN_FRAMES / self.meta.fps), 0.0):
+            self._decode_from(container, stream, path, ep, feature, start, seek_s, out, filled)
+            if filled[0] or seek_s == 0.0:
+                break
+        if not filled.all():
+            missing = np.flatnonzero(~filled)
+            raise LeRobotFormatError(
+                f"{path}: holds {int(filled.sum())} of the {length} frames of episode {ep['episode_index']} "
+                f"(truncated?); frame {int(missing[0])} and {len(missing) - 1} more have no picture"
+            )
+        return out
+
+    def _decode_from(
+        self,
+        container: Any,
+        stream: Any,
+        path: Path,
+        ep: dict[str, Any],
+        feature: Feature,
+        start: float,
+        seek_s: float,
+        out: np.ndarray,
+        filled: np.ndarray,
+    ) -> None:
+        """Decode from the keyframe at or before ``seek_s`` into ``out`` (frame ``t`` of the episode at
+        ``start + t / fps``) until past its last frame, marking ``filled``."""
+        import av
+
+        fps, length = self.meta.fps, len(out)
         try:
-            container.seek(int(start / stream.time_base), stream=stream, backward=True, any_frame=False)
+            container.seek(int(seek_s / stream.time_base), stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
-                index = round(float(frame.pts * stream.time_base) * fps) - first
+                if frame.pts is None:  # no time, no place in the episode (LeRobot skips them too)
+                    continue
+                offset_s = float(frame.pts * stream.time_base) - start
+                index = round(offset_s * fps)
                 if index < 0:
                     continue
                 if index >= length:
                     break
+                if abs(offset_s - index / fps) > _TIMESTAMP_TOLERANCE_S:
+                    raise LeRobotFormatError(
+                        f"{path}: a frame at {offset_s + start:.6f} s is {offset_s - index / fps:+.6f} s off "
+                        f"the grid of episode {ep['episode_index']} (from_timestamp {start:g} s + t / "
+                        f"{fps:g} fps; tolerance {_TIMESTAMP_TOLERANCE_S:g} s): its from_timestamp does "
+                        "not match the video"
+                    )
                 image = frame.to_ndarray(format="rgb24")
                 if image.shape[:2] != feature.shape[1:]:
                     raise LeRobotFormatError(
@@ -534,23 +609,23 @@ class EpisodeReader:
                 filled[index] = True
         except av.error.FFmpegError as error:
             raise LeRobotFormatError(f"{path}: decoding failed (truncated or damaged?): {error}") from error
-        if not filled.all():
-            missing = np.flatnonzero(~filled)
-            raise LeRobotFormatError(
-                f"{path}: holds {int(filled.sum())} of the {length} frames of episode {ep['episode_index']} "
-                f"(truncated?); frame {int(missing[0])} and {len(missing) - 1} more have no picture"
-            )
-        return out
 
     def close(self) -> None:
-        for container in self._containers.values():
-            container.close()
+        """Close every open video and data file (each one, even when closing another fails: the first
+        failure is raised after)."""
+        handles = [*self._containers.values(), *(data.handle for data in self._files.values())]
         self._containers.clear()
-        for data in self._files.values():
-            data.handle.close()
         self._files.clear()
         self._groups.clear()
         self._cached_bytes = 0
+        failure: BaseException | None = None
+        for handle in handles:
+            try:
+                handle.close()
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
 
 def _null_values(column: Any) -> bool:

@@ -44,7 +44,7 @@ class LeRobotSpec:
     """
 
     root: Path | str
-    """The dataset folder (holding ``meta/info.json``)."""
+    """The dataset folder (holding ``meta/info.json``); kept as an absolute path."""
     num_envs: int = 1
     """Episodes (buffer rows) per rollout."""
     max_episode_steps: int | None = None
@@ -63,6 +63,8 @@ class LeRobotSpec:
         if type(self.num_envs) is not int or self.num_envs < 1:
             raise ValueError(f"LeRobotSpec.num_envs must be an int >= 1, got {self.num_envs!r}")
         meta = read_dataset_meta(self.root, stats=False)
+        # the folder read here, wherever a producer runs from (a Ray worker's working directory differs)
+        object.__setattr__(self, "root", Path(meta.root).resolve())
         if not meta.episodes:
             raise ValueError(f"LeRobotSpec.root: {meta.root} holds no episode")
         streamed = accepted_episodes(meta)
