@@ -586,3 +586,60 @@ def test_a_released_ring_holds_no_file_descriptor_or_semaphore():
     ring.release()
     assert open_fds() == fds and semaphores() == sems
     assert ring.stats().committed == 0  # still answers
+
+
+def test_a_truncated_step_is_stored_with_its_last_observation_and_its_raw_reward():
+    """The collector added gamma * V(s_T) of its own critic, up to max_policy_lag versions old, into the
+    reward: it now stores s_T and the learner bootstraps with its current critic."""
+    from simstream.rl.collector import CollectorSpec, RolloutCollector, ring_fields
+
+    from .fault_env import env_id
+
+    spec = CollectorSpec(
+        env_id=env_id("none"), num_envs=2, steps=60, seed=0, obs_dim=3, act_dim=1, hidden_sizes=(8,),
+        init_log_std=0.0, gamma=0.9, reward_scale=0.5, normalize_obs=True, sync=False,
+    )  # fmt: skip
+    ring = RolloutRing(ring_fields(spec), 2, "block", mp.get_context("spawn"))
+    model, normalizer = ActorCritic(3, 1, (8,), 0.0), ObsNormalizer(3, True)
+    weights = WeightBuffer(packed_size(model, 3))
+    weights.publish(pack_policy(model, normalizer), 0)
+    collector = RolloutCollector(spec, ring, weights)
+    try:
+        assert collector.pull_weights(lambda: False, -1) and collector.collect(lambda: False)
+        [taken] = ring.take(1)
+        data = {key: value[0] for key, value in ring.gather([taken]).items()}
+    finally:
+        collector.close()
+        ring.release()
+        weights.release()
+    # FaultEnv truncates after 50 steps: step 49 of the rollout; its state moves by 0.1 * action
+    expected = torch.zeros(60, 2)
+    expected[49] = 1.0
+    assert torch.equal(data["truncated"], expected) and torch.equal(data["dones"], expected)
+    final = data["obs"][49] + 0.1 * data["actions"][49].clamp(-1.0, 1.0)
+    torch.testing.assert_close(data["final_obs"][49], final)
+    torch.testing.assert_close(data["rewards"][49], -0.5 * final.abs().sum(-1))  # raw, scaled
+    assert not torch.equal(data["obs"][50], final)  # the next step starts a new episode
+
+
+def test_the_learner_bootstraps_a_truncated_reward_with_its_current_critic():
+    cfg = APPOConfig(num_envs=2, steps_per_rollout=4, minibatch_size=8, hidden_sizes=(8,), gamma=0.9)
+    learner = APPOLearner(cfg, 3, 1, "cpu")
+    learner.normalizer.update(torch.randn(64, 3) * 2 + 1)
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "obs": torch.randn(4, 2, 3, generator=generator), "actions": torch.randn(4, 2, 1),
+        "logp": torch.zeros(4, 2), "rewards": torch.ones(4, 2), "dones": torch.zeros(4, 2),
+        "last_obs": torch.randn(2, 3), "truncated": torch.zeros(4, 2),
+        "final_obs": torch.randn(4, 2, 3, generator=generator),
+    }  # fmt: skip
+    batch["truncated"][2, 1] = batch["dones"][2, 1] = 1.0
+    rewards = learner._with_timeout_bootstrap(batch)
+    with torch.no_grad():
+        value = learner.model.value(learner.normalizer.normalize(batch["final_obs"][2, 1]))
+    expected = torch.ones(4, 2)
+    expected[2, 1] += 0.9 * value
+    torch.testing.assert_close(rewards, expected)
+    assert torch.equal(batch["rewards"], torch.ones(4, 2))  # the batch itself is left as it is
+    del batch["truncated"], batch["final_obs"]
+    assert torch.equal(learner._with_timeout_bootstrap(batch), torch.ones(4, 2))

@@ -528,7 +528,8 @@ def _batch_of(
 ) -> tuple[dict, list[tuple[float, float]], dict[str, float], torch.Tensor]:
     """The learner's batch (env-major), the finished episodes' (return, length), the collector's mean
     timings and the per-step policy versions of rollouts copied out of the ring."""
-    batch = {key: _env_major(data[key]) for key in ("obs", "actions", "logp", "rewards", "dones")}
+    keys = ("obs", "actions", "logp", "rewards", "dones", "truncated", "final_obs")
+    batch = {key: _env_major(data[key]) for key in keys}
     batch["last_obs"] = data["last_obs"].flatten(0, 1)
     episodes = []
     for i, count in enumerate(data["num_episodes"].tolist()):

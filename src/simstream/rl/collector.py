@@ -81,6 +81,8 @@ def ring_fields(spec: CollectorSpec) -> dict[str, tuple[tuple[int, ...], torch.d
         "versions": ((t,), torch.int64),
         "rewards": ((t, n), f32),
         "dones": ((t, n), f32),
+        "truncated": ((t, n), f32),
+        "final_obs": ((t, n, spec.obs_dim), f32),
         "last_obs": ((n, spec.obs_dim), f32),
         "episode_returns": ((t * n,), f32),
         "episode_lengths": ((t * n,), f32),
@@ -216,19 +218,20 @@ class RolloutCollector:
         self._env_s += time.perf_counter() - stepped
         rewards = torch.as_tensor(reward, dtype=torch.float32)
         check_finite("rewards", rewards)
-        learn_rewards = rewards * self.spec.reward_scale
-        # Timeout bootstrapping: a truncated episode did not end, so its last reward carries gamma * V(s_T).
+        # Timeout bootstrapping: a truncated episode did not end, and its last reward gets gamma * V(s_T)
+        # from the learner's critic at its update (this copy of the critic may be several versions old)
         cut = np.nonzero(truncated & ~terminated)[0]
+        view["truncated"][t] = 0.0
         if cut.size:
             final = torch.as_tensor(np.stack(info["final_obs"][cut]), dtype=torch.float32)
             check_finite("final_obs", final)
-            with torch.inference_mode():
-                learn_rewards[cut] += self.spec.gamma * self.model.value(self.normalizer.normalize(final))
+            view["final_obs"][t, cut] = final
+            view["truncated"][t, cut] = 1.0
         done = terminated | truncated
         view["obs"][t] = obs
         view["actions"][t] = action
         view["logp"][t] = logp
-        view["rewards"][t] = learn_rewards
+        view["rewards"][t] = rewards * self.spec.reward_scale
         view["dones"][t] = torch.as_tensor(done, dtype=torch.float32)
         self.ep_return += reward
         self.ep_length += 1

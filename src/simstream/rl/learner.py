@@ -19,7 +19,9 @@ from .model import ActorCritic, ObsNormalizer, pack_policy
 __all__ = ["BATCH_KEYS", "APPOLearner"]
 
 BATCH_KEYS = ("obs", "actions", "logp", "rewards", "dones", "last_obs")
-"""A batch: ``obs [T, B, D]``, ``actions [T, B, A]``, ``logp/rewards/dones [T, B]``, ``last_obs [B, D]``."""
+"""A batch: ``obs [T, B, D]``, ``actions [T, B, A]``, ``logp/rewards/dones [T, B]``, ``last_obs [B, D]``;
+optionally ``truncated [T, B]`` (1 where an episode was cut by a time limit, not terminated) with
+``final_obs [T, B, D]`` (its last observation there): those rewards get ``gamma * V(final_obs)``."""
 
 _LR_BOUNDS = (1e-5, 1e-2)
 
@@ -54,7 +56,8 @@ class APPOLearner:
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One update on a time-major batch (see :data:`BATCH_KEYS`); returns averaged metrics."""
         cfg = self.cfg
-        for key in BATCH_KEYS:
+        keys = BATCH_KEYS + (("truncated", "final_obs") if "truncated" in batch else ())
+        for key in keys:
             check_finite(f"batch.{key}", batch[key])
         # Normalised with the statistics the collector acted under: updated first, they would make the
         # target's log-probabilities differ from the behaviour's even in lock-step (rho != 1 at lag 0).
@@ -65,6 +68,7 @@ class APPOLearner:
         actions, behaviour_logp = batch["actions"].to(dev), batch["logp"].to(dev)
         with torch.no_grad():
             values = self.model.value(obs)
+            rewards = self._with_timeout_bootstrap(batch)
             # with target_update_interval > 1 the target is an older policy, trained under older statistics
             target_obs = (
                 obs
@@ -76,7 +80,7 @@ class APPOLearner:
             targets = vtrace(
                 behaviour_logp,
                 target_logp,
-                batch["rewards"].to(dev),
+                rewards,
                 values,
                 self.model.value(last_obs),
                 cfg.gamma * (1.0 - batch["dones"].to(dev)),
@@ -121,6 +125,21 @@ class APPOLearner:
         metrics["vtrace/rho_p99"] = float(targets.rho_p99)
         metrics["ppo/learning_rate"] = self.learning_rate
         return metrics
+
+    def _with_timeout_bootstrap(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's rewards, each truncated episode's last one plus ``gamma * V(s_T)`` of the current
+        critic (a truncated episode did not end: only a termination cuts the return). Computed here, not
+        by the collector, whose critic is up to ``max_policy_lag`` versions old in async mode."""
+        rewards = batch["rewards"].to(self.device)
+        if "truncated" not in batch:
+            return rewards
+        cut = batch["truncated"].to(self.device) > 0
+        if not bool(cut.any()):
+            return rewards
+        final = self.normalizer.normalize(batch["final_obs"]).to(self.device)[cut]
+        rewards = rewards.clone()
+        rewards[cut] += self.cfg.gamma * self.model.value(final)
+        return rewards
 
     def _step(self, mb: dict[str, torch.Tensor]) -> dict[str, float]:
         cfg = self.cfg
