@@ -1,4 +1,5 @@
-"""What ``DatasetWriter`` refuses before writing anything, and a flush that failed after its commit point."""
+"""What ``DatasetWriter`` refuses before writing anything, and flushes that failed before or after their
+commit point."""
 
 from __future__ import annotations
 
@@ -107,3 +108,37 @@ def test_a_flush_that_failed_after_its_commit_point_refuses_the_next_and_reopeni
     finally:
         source.close()
     assert tags == [0, 1, 3]
+
+
+def test_a_flush_that_failed_before_its_commit_point_keeps_its_group_for_the_next(tmp_path, monkeypatch):
+    """A full disk while the group's data file was written dropped the group: its episodes were gone,
+    though nothing of them was committed. They stay queued, and the next flush writes them."""
+    root = tmp_path / "ds"
+    writer = _writer(root)
+    writer.add(pattern_record(0))
+    writer.flush()
+    write_parquet = writer_module.write_parquet
+
+    def full_disk(path, table):
+        if path.parent.parent.name == "data":
+            raise OSError(28, "No space left on device")
+        return write_parquet(path, table)
+
+    monkeypatch.setattr(writer_module, "write_parquet", full_disk)
+    writer.add(pattern_record(1))
+    writer.add(pattern_record(2))
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.flush()
+    assert writer.pending == 2 and writer.episodes_flushed == 1
+    monkeypatch.undo()
+    writer.add(pattern_record(3))
+    assert writer.flush() == 3
+    writer.close()
+    meta = read_dataset_meta(root)
+    assert [e["episode_index"] for e in meta.episodes] == [0, 1, 2, 3] and meta.info["total_episodes"] == 4
+    source = LeRobotSpec(root).build(0, 0)
+    try:
+        tags = [int(source.reader.read(e).frames["obs/state"][0, 0]) for e in range(4)]
+    finally:
+        source.close()
+    assert tags == [0, 1, 2, 3]

@@ -271,21 +271,26 @@ class DatasetWriter:
         if not group:
             return 0
         chunk, file = divmod(self.next_file, CHUNKS_SIZE)
-        for episode in group:
-            self.tasks.setdefault(episode.task, len(self.tasks))
-            for text in dict.fromkeys(episode.subtasks or [episode.task]):
-                self.subtasks.setdefault(text, len(self.subtasks))
-        self._write_language()
-        videos = {
-            f.key: self._write_video(f, group, chunk, file) for f in self.features if f.dtype == "video"
-        }
-        data_path = self.root / DATA_PATH.format(chunk_index=chunk, file_index=file)
-        table, stats = self._data_table(group)
-        write_parquet(data_path, table)
-        self.bytes_written += data_path.stat().st_size
-        episodes_path = self.root / EPISODES_PATH.format(chunk_index=chunk, file_index=file)
-        write_parquet(episodes_path, self._episodes_table(group, stats, videos, chunk, file))  # commit
-        self.bytes_written += episodes_path.stat().st_size
+        try:
+            for episode in group:
+                self.tasks.setdefault(episode.task, len(self.tasks))
+                for text in dict.fromkeys(episode.subtasks or [episode.task]):
+                    self.subtasks.setdefault(text, len(self.subtasks))
+            self._write_language()
+            videos = {
+                f.key: self._write_video(f, group, chunk, file) for f in self.features if f.dtype == "video"
+            }
+            data_path = self.root / DATA_PATH.format(chunk_index=chunk, file_index=file)
+            table, stats = self._data_table(group)
+            write_parquet(data_path, table)
+            episodes_path = self.root / EPISODES_PATH.format(chunk_index=chunk, file_index=file)
+            write_parquet(episodes_path, self._episodes_table(group, stats, videos, chunk, file))  # commit
+        except BaseException:
+            # nothing of the group is committed: it stays queued, and a later flush writes it again over
+            # the same file numbers (a full disk that was freed); the files it wrote are not referred to
+            self._pending = group + self._pending
+            raise
+        self.bytes_written += data_path.stat().st_size + episodes_path.stat().st_size
         self.next_file += 1
         try:
             for key in stats[0]:
