@@ -149,7 +149,8 @@ class EligibilityIndex:
     def begin_write(self, start: int, end: int) -> None:
         """Make rows ``[start, end)`` odd (unsampleable) before anything of them changes."""
         a = self._numpy()  # one NumPy slice op each: a window of any size costs ~0.5 us per table
-        a["version"][start:end] += 1
+        # odd whatever it was: a row left odd by an abandoned claim stays unsampleable (+= 1 made it even)
+        a["version"][start:end] = (a["version"][start:end] + 1) | 1
         a["num_runs"][:, start:end] = 0
         a["longest_run"][:, start:end] = 0
         a["num_points"][start:end] = 0

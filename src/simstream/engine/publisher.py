@@ -81,7 +81,8 @@ class WindowPublisher:
 
         Raises:
             Closing: the engine closed while the claim waited (for a recorder, a lock); nothing was
-                claimed and no eviction logged (:meth:`abandon` gives the reservation back).
+                claimed and no eviction logged (:meth:`abandon` gives the reservation back). The same
+                holds for any other error of the claim (a wait that timed out).
         """
         window_rows = window_rows or end - start
         if (end - start) % window_rows:
@@ -90,8 +91,9 @@ class WindowPublisher:
             return False
         try:
             self.writer.claim(start, end, check=self._raise_if_closing)
-        except Closing:
-            self._pending_evictions = None  # nothing claimed: nothing was evicted
+        except BaseException:
+            # nothing claimed (closing, or a wait that timed out): nothing was evicted
+            self._pending_evictions = None
             raise
         if self._pending_evictions is not None:
             self._log_first_evictions()
