@@ -284,3 +284,51 @@ def test_a_producer_failure_is_printed_once_by_the_owner_with_the_producers_trac
     assert "in engine.start()" in message or "engine.start()" in message
     assert note.startswith("Traceback in producer-0:\nTraceback (most recent call last):"), note
     assert 'in _fault\n    raise KeyError("scripted failure in rollout")' in note
+
+
+class _Recorder:
+    """What ``stop_then_close`` closes after the stop (a recorder): counts its closes, or fails one."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error, self.closed = error, 0
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_run_ended_by_a_signal_stays_interrupted_when_its_producers_died_of_it_too():
+    """``simstream record`` and the demo stopped their engine in a finally: a SIGTERM to the whole
+    process group also killed the producers, the stop's RuntimeError replaced the interruption, and the
+    command exited 1 ("worker exited unexpectedly") instead of 143."""
+    from simstream.engine.lifecycle import stop_then_close
+
+    engine = _started(ScriptedSpec(fault="sigkill", fault_after=2), refill_policy="manual")
+    engine.request_refill()
+    _wait_failed(engine)
+    recorder, interruption = _Recorder(), KeyboardInterrupt()
+    stop_then_close(engine, recorder, interruption)  # returns: the caller's raise goes on
+    assert recorder.closed == 1 and engine.state is OnlineDataEngineState.FAILED
+    [note] = interruption.__notes__
+    assert note.startswith("Stopping after it also failed: RuntimeError: ") and "exited unexpectedly" in note
+
+    engine = _started(ScriptedSpec(fault="sigkill", fault_after=2), refill_policy="manual")
+    engine.request_refill()
+    _wait_failed(engine)
+    recorder = _Recorder(OSError(28, "No space left on device"))
+    with pytest.raises(RuntimeError, match="exited unexpectedly") as caught:  # no interruption: raised
+        stop_then_close(engine, recorder, None)
+    assert recorder.closed == 1
+    assert caught.value.__notes__[-1] == "Stopping also failed: OSError: [Errno 28] No space left on device"
+
+
+def test_a_ctrl_c_while_a_failed_run_stops_is_raised_after_both_steps():
+    from simstream.engine.lifecycle import stop_then_close
+
+    engine = _started(ScriptedSpec(), refill_policy="manual")
+    recorder, failure = _Recorder(KeyboardInterrupt()), ValueError("the run's own failure")
+    with pytest.raises(KeyboardInterrupt):
+        stop_then_close(engine, recorder, failure)
+    assert engine.state is OnlineDataEngineState.STOPPED and recorder.closed == 1
+    stop_then_close(engine, None, None)  # stopped already: nothing to do, nothing raised

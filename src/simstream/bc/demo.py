@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .._runs import claim_run_folder
 from .._validation import require, require_writable
-from ..engine.lifecycle import start_forkserver
+from ..engine.lifecycle import start_forkserver, stop_then_close
 from .camera_source import CameraSourceSpec, measure_bare_rate
 from .checkpoint import PolicyCheckpoint, save_checkpoint
 from .config import DemoConfig
@@ -244,7 +244,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     try:
         engine = OnlineDataEngine(engine_cfg)
-        recorder = None
+        recorder, in_flight = None, None
         try:
             recorder = demo_recorder(engine, cfg)  # --record: the live stream into a LeRobot dataset
             startup_s = start_with_progress(
@@ -261,12 +261,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             log = train_policy(
                 engine, policy, embedding, cfg, deadline=began + cfg.time_limit_s, writer=writer
             )
+        except BaseException as error:
+            in_flight = error
+            raise
         finally:
-            try:
-                engine.stop()  # raises a producer's failure, after stopping
-            finally:
-                if recorder is not None:
-                    recorder.close()  # flushes every episode published before the stop
+            # raises a producer's failure, after stopping; --record flushes every episode published before
+            stop_then_close(engine, recorder, in_flight)
         # after the stop: a producer may publish between the last step and stop(), and --record keeps it
         stats = engine.get_stats()
         checkpoint = PolicyCheckpoint(policy, embedding, cfg.task, cfg.rollout_config)

@@ -114,6 +114,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     from tqdm import tqdm
 
     from simstream import OnlineDataEngine, OnlineDataEngineCfg
+    from simstream.engine.lifecycle import stop_then_close
     from simstream.lerobot import KeyMap, LeRobotRecorder
     from simstream.lerobot.writer import check_dataset_folder
     from simstream.ray.backend import backend_from_flags
@@ -156,31 +157,28 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
         megabytes = recorder.bytes_written / 1e6
         bar.set_postfix_str(f"{rate:.1f} eps/s, {megabytes:.1f} MB written", refresh=True)
 
-    interrupted = False
+    in_flight: BaseException | None = None
     options_checked()  # a ValueError from here on is a producer's or the writer's, not a bad option
     try:
         recorder.start()
         engine.start()
         refill_until(engine, lambda: recorder.episodes_flushed >= args.episodes, tick)
         tick()  # the bar's last count
-    except KeyboardInterrupt:
-        interrupted = True
+    except BaseException as error:
+        in_flight = error
         raise
     finally:
         bar.close()
         try:
-            engine.stop()  # raises a producer's failure, after stopping
+            stop_then_close(engine, recorder, in_flight)  # raises a producer's failure, after stopping
         finally:
-            try:
-                recorder.close()  # commits every episode published before the stop, whatever stop() raised
-            finally:
-                if interrupted:  # what the interruption kept, and where
-                    print(
-                        f"\nsimstream record: {recorder.episodes_flushed} episodes of this run were flushed; "
-                        f"the dataset {out.resolve()} holds {recorder.writer.episodes_flushed} episodes, "
-                        "LeRobot v3.0",
-                        file=sys.stderr,
-                    )
+            if isinstance(in_flight, KeyboardInterrupt):  # what the interruption kept, and where
+                print(
+                    f"\nsimstream record: {recorder.episodes_flushed} episodes of this run were flushed; "
+                    f"the dataset {out.resolve()} holds {recorder.writer.episodes_flushed} episodes, "
+                    "LeRobot v3.0",
+                    file=sys.stderr,
+                )
     elapsed = time.monotonic() - began
     return {
         "episodes": recorder.episodes_flushed,

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 from ..errors import OnlineDataWorkerError, add_note
 from ..ray.backend import RAY_LEAVE_S
@@ -466,3 +467,34 @@ def _forkserver_not_started() -> bool:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None) is None
+
+
+def stop_then_close(engine: Any, after: Any | None, in_flight: BaseException | None) -> None:
+    """Stop ``engine``, then close ``after`` (when given: a recorder, which then commits every episode
+    published before the stop, whatever ``stop()`` raised): the end of a run that records.
+
+    With an exception in flight (the run failed, or a Ctrl-C/SIGTERM ended it), their errors become notes
+    on it, as the engine's context manager does: a SIGTERM sent to the whole process group kills the
+    producers and the fork server too, and the stop's report of those deaths replaced the interruption
+    (exit 1, "worker exited unexpectedly", instead of 143). Otherwise the first error is raised, a second
+    as a note on it. A Ctrl-C during the cleanup itself is raised after both steps ran.
+    """
+    errors: list[BaseException] = []
+    for step in (engine.stop, None if after is None else after.close):
+        if step is None:
+            continue
+        try:
+            step()
+        except BaseException as error:
+            errors.append(error)
+    errors = [error for error in errors if error is not in_flight]
+    if not errors:
+        return
+    if in_flight is not None and all(isinstance(error, Exception) for error in errors):
+        for error in errors:
+            add_note(in_flight, f"Stopping after it also failed: {type(error).__name__}: {error}")
+        return
+    first, *rest = sorted(errors, key=lambda error: isinstance(error, Exception))  # a Ctrl-C first
+    for error in rest:
+        add_note(first, f"Stopping also failed: {type(error).__name__}: {error}")
+    raise first
