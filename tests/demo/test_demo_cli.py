@@ -81,6 +81,39 @@ def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, c
     assert "success" in capsys.readouterr().out
 
 
+def test_eval_refuses_a_video_that_would_not_fit_in_memory_before_evaluating(quick_run, tmp_path, capsys):
+    """Every frame of the recorded episodes is kept, then stacked: 4 episodes at --image-size 256 took
+    2.2 GB, and at 2048 a few episodes ran out of memory after the whole evaluation."""
+    video = tmp_path / "v.gif"
+    argv = ["eval", str(quick_run / "checkpoint.pt"), "--episodes", "4000", "--video", str(video)]
+    assert simstream([*argv, "--video-episodes", "4000", "--image-size", "2048"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert (
+        "EvalArgs.video: 4000 episode(s) of up to " in err and " frames of 2048 x 2048 pixels needs " in err
+    )
+    assert "--video-episodes can be at most " in err and "(or lower --image-size)" in err
+    assert not video.exists()
+
+
+def test_an_interrupted_write_leaves_no_file_or_the_one_it_replaced(tmp_path):
+    from simstream.cli.eval import _write_whole
+
+    def cut_short(partial):
+        partial.write_bytes(b"GIF89a half of a video")
+        raise KeyboardInterrupt
+
+    path = tmp_path / "rollouts.gif"
+    with pytest.raises(KeyboardInterrupt):
+        _write_whole(path, cut_short)
+    assert list(tmp_path.iterdir()) == []
+    path.write_bytes(b"the earlier video")
+    with pytest.raises(KeyboardInterrupt):
+        _write_whole(path, cut_short)
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"the earlier video"
+    _write_whole(path, lambda partial: partial.write_bytes(b"a whole video"))
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"a whole video"
+
+
 @pytest.mark.parametrize(("options", "threshold"), [([], 0.25), (["--gripper-threshold", "0.7"], 0.7),
                                                    (["--continuous-gripper"], None)])  # fmt: skip
 def test_eval_overrides_the_checkpoints_gripper_threshold(quick_run, tmp_path, options, threshold):

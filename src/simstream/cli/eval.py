@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -104,17 +106,33 @@ def write_video(path: Path, episodes: list[list], fps: int) -> Path:
     if not frames:
         raise ValueError("no frames were recorded")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".gif":
-        iio.imwrite(path, np.stack(frames), duration=1000 / fps, loop=0)
-        return path
-    try:
-        iio.imwrite(path, np.stack(frames), fps=fps, codec="libx264")
-    except Exception as error:
-        raise RuntimeError(
-            f"cannot write {str(path)!r}: {error}. MP4 needs `pip install imageio-ffmpeg`; "
-            "a .gif needs nothing"
-        ) from error
+
+    def encode(partial: Path) -> None:
+        if path.suffix.lower() == ".gif":
+            iio.imwrite(partial, np.stack(frames), duration=1000 / fps, loop=0)
+            return
+        try:
+            iio.imwrite(partial, np.stack(frames), fps=fps, codec="libx264")
+        except Exception as error:
+            raise RuntimeError(
+                f"cannot write {str(path)!r}: {error}. MP4 needs `pip install imageio-ffmpeg`; "
+                "a .gif needs nothing"
+            ) from error
+
+    _write_whole(path, encode)
     return path
+
+
+def _write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a hidden sibling of ``path`` (same suffix: it names the format), then rename it into place:
+    an interrupted write (Ctrl-C, SIGTERM) left a plausible but wrong file at ``path``; now none, or the
+    file it replaced."""
+    partial = path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def run_eval(args: EvalArgs) -> dict:
@@ -124,6 +142,7 @@ def run_eval(args: EvalArgs) -> dict:
 
     from simstream.bc import eval_seeds, evaluate_policy, load_checkpoint
     from simstream.bc.vision import VisionPolicy
+    from simstream.sampling.gather import require_batch_fits
 
     torch.set_num_threads(args.num_threads)
     checkpoint = load_checkpoint(args.checkpoint)
@@ -146,6 +165,16 @@ def run_eval(args: EvalArgs) -> dict:
     record = 0 if args.video is None else min(args.video_episodes, args.episodes)
     if args.video is not None and record < args.video_episodes:
         print(f"the video shows {record} episode(s): --episodes is {args.episodes}", flush=True)
+    if record:
+        # the frames are kept until the episodes end, then stacked for the encoder: twice their size
+        views = len(checkpoint.policy.config.cameras) if isinstance(checkpoint.policy, VisionPolicy) else 0
+        frame_bytes = 3 * args.image_size * args.image_size * (1 + views)
+        require_batch_fits(
+            record, 2 * rollout.max_episode_steps * frame_bytes,
+            f"EvalArgs.video: {record} episode(s) of up to {rollout.max_episode_steps} frames of "
+            f"{args.image_size} x {args.image_size * (1 + views)} pixels", batch="video",
+            limit="--video-episodes", hint=" (or lower --image-size)",
+        )  # fmt: skip
     options_checked()  # a ValueError from here on is the evaluation's, not a bad option
     began = time.monotonic()
     with tqdm(total=len(seeds), desc=f"evaluating {checkpoint.task}", unit="ep", dynamic_ncols=True) as bar:
@@ -170,7 +199,7 @@ def run_eval(args: EvalArgs) -> dict:
         summary["video"] = str(write_video(args.video, result.frames, args.fps))
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(summary, indent=2))
+        _write_whole(args.json_out, lambda partial: partial.write_text(json.dumps(summary, indent=2)))
     return summary
 
 
