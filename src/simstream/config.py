@@ -307,8 +307,8 @@ class OnlineDataEngineCfg:
         self._validate_actions(source, fields)
         if num_envs > self.buffer_size:
             raise ValueError(
-                f"num_envs ({num_envs}) exceeds buffer_size ({self.buffer_size}). "
-                "Increase buffer_size in OnlineDataEngineCfg."
+                f"OnlineDataEngineCfg.buffer_size must be >= the source's num_envs {num_envs} (the rows one "
+                f"rollout writes), got {self.buffer_size}"
             )
         if self.num_workers * num_envs > self.buffer_size:
             raise ValueError(

@@ -246,6 +246,11 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
     ("options", "message"),
     [
         (["--buffer-size", "0"], "OnlineDataEngineCfg.buffer_size must be an int >= 1, got 0"),
+        (  # it named num_envs, which stream has no option for
+            ["--buffer-size", "1"],
+            "OnlineDataEngineCfg.buffer_size must be >= the source's num_envs 4 "
+            "(the rows one rollout writes), got 1",
+        ),
         (["--num-workers", "0"], "OnlineDataEngineCfg.num_workers must be an int in [1, 1024], got 0"),
         (["--seconds", "nan"], "StreamArgs.seconds must be a number in (0, 1e6], got nan"),
         (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),

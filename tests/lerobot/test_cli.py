@@ -78,6 +78,7 @@ def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
             r"key_map names field(s) ['obs/nope'] that the source does not",
         ),
         (["--task", "juggle"], "juggle"),
+        (["--image-size", "0"], "RecordArgs.image_size must be an int in [8, 2048], got 0"),  # named none
         (
             ["--ray-address", "auto"],
             "RecordArgs.ray_address must be None unless backend is 'ray', got 'auto'",

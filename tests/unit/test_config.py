@@ -86,7 +86,10 @@ def _cfg(**overrides) -> OnlineDataEngineCfg:
         ),
         ({"source": None}, "OnlineDataEngineCfg.source must be a SourceSpec"),
         ({"max_episode_steps": 30}, "must be None or equal the source's max_episode_steps \\(20\\)"),
-        ({"buffer_size": 1}, r"num_envs \(2\) exceeds buffer_size \(1\)"),
+        (
+            {"buffer_size": 1},
+            r"buffer_size must be >= the source.s num_envs 2 \(the rows one rollout writes\), got 1",
+        ),
         ({"buffer_size": 3, "num_workers": 2}, "buffer_size must be at least num_workers \\* num_envs"),
         ({"action_dim": 5}, "action_dim must match the source's actions width 2, got 5"),
         (

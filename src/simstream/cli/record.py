@@ -69,6 +69,8 @@ class RecordArgs:
         # the scripted experts take up to ~80 steps: shorter rows could never hold a success
         require_int("RecordArgs", "max_episode_steps", self.max_episode_steps, 100)
         require_int("RecordArgs", "seed", self.seed, 0, 2**63 - 1)
+        if self.image_size is not None:
+            require_int("RecordArgs", "image_size", self.image_size, 8, 2048)
         require_writable("RecordArgs", "out", self.out, folder=True)
         from simstream.ray.backend import backend_from_flags  # no ray import: the flags' rules only
 
