@@ -243,6 +243,28 @@ def test_a_generation_that_waits_for_a_drain_says_so_when_it_times_out():
         engine.wait_for_generation(generation, timeout=30)
 
 
+def test_a_generation_that_waits_for_a_recorder_says_so_when_it_times_out():
+    """Producers wait for a recorder in 'wait' mode before overwriting what it has not copied: the
+    timeout named nothing but itself."""
+    cfg = make_cfg(buffer_size=4, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        gate = engine._shared.record_gate
+        gate.attach("wait")  # a recorder that copies nothing (stopped): the 4 episodes of generation 1
+        try:
+            generation = engine.request_refill()
+            message = (
+                f"ODS generation {generation} was not published in 0.3s; a LeRobotRecorder "
+                "(on_full='wait') has not copied 4 published episode(s), and producers wait for it before "
+                "overwriting them"
+            )
+            with pytest.raises(TimeoutError, match=re.escape(message)):
+                engine.wait_for_generation(generation, timeout=0.3)
+        finally:
+            gate.detach()  # the recorder goes: the producers overwrite
+        engine.wait_for_generation(generation, timeout=30)
+        assert gate.uncopied(engine._shared.index.episode_id) == 0  # detached: nothing is waited for
+
+
 def test_stop_completes_during_back_pressure():
     cfg = make_cfg(buffer_size=4, lifecycle_event_capacity=8, refill_policy="manual", shutdown_timeout=5.0)
     engine = OnlineDataEngine(cfg)

@@ -90,6 +90,13 @@ class RecordGate:
     def attached(self) -> bool:
         return int(self.mode[0]) != _OFF
 
+    def uncopied(self, episode_id: torch.Tensor) -> int:
+        """In ``"wait"`` mode, how many published episodes (``episode_id``: the index's per-row ids) the
+        recorder has not copied yet: producers wait for it before overwriting them. 0 in other modes."""
+        if int(self._mode_view[0]) != _WAIT:
+            return 0
+        return int((episode_id > self.recorded).sum())
+
     def mark_recorded(self, row: int, episode_id: int) -> None:
         """The recorder copied ``episode_id`` out of ``row``: the row may be claimed again."""
         self.recorded[row] = episode_id

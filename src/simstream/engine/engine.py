@@ -409,6 +409,7 @@ class OnlineDataEngine(EngineLifecycle):
         if not progress.wait_for_completed(generation, deadline, check):
             raise TimeoutError(
                 f"ODS generation {generation} was not published in {timeout}s{self._log_full()}"
+                f"{self._recorder_behind()}"
             )
 
     def _log_full(self) -> str:
@@ -427,6 +428,18 @@ class OnlineDataEngine(EngineLifecycle):
             f"; the lifecycle log holds {pending} of its {events.capacity} records ({reserved} more "
             f"reserved) and a window needs room for up to {window}: producers wait for "
             "drain_lifecycle_events() (a refill writes up to two records per row it writes)"
+        )
+
+    def _recorder_behind(self) -> str:
+        """Why producers may be paused: a recorder in ``"wait"`` mode that has not copied what they would
+        overwrite; else ``""``."""
+        gate = self._shared.record_gate
+        uncopied = 0 if gate is None else gate.uncopied(self._shared.index.episode_id)
+        if not uncopied:
+            return ""
+        return (
+            f"; a LeRobotRecorder (on_full='wait') has not copied {uncopied} published episode(s), and "
+            "producers wait for it before overwriting them: is it slow, or stopped?"
         )
 
     # -- status --------------------------------------------------------------------------------------
