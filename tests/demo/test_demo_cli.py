@@ -96,7 +96,7 @@ def test_eval_refuses_a_video_that_would_not_fit_in_memory_before_evaluating(qui
 
 
 def test_an_interrupted_write_leaves_no_file_or_the_one_it_replaced(tmp_path):
-    from simstream.cli.eval import _write_whole
+    from simstream._files import write_whole
 
     def cut_short(partial):
         partial.write_bytes(b"GIF89a half of a video")
@@ -104,13 +104,13 @@ def test_an_interrupted_write_leaves_no_file_or_the_one_it_replaced(tmp_path):
 
     path = tmp_path / "rollouts.gif"
     with pytest.raises(KeyboardInterrupt):
-        _write_whole(path, cut_short)
+        write_whole(path, cut_short)
     assert list(tmp_path.iterdir()) == []
     path.write_bytes(b"the earlier video")
     with pytest.raises(KeyboardInterrupt):
-        _write_whole(path, cut_short)
+        write_whole(path, cut_short)
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"the earlier video"
-    _write_whole(path, lambda partial: partial.write_bytes(b"a whole video"))
+    write_whole(path, lambda partial: partial.write_bytes(b"a whole video"))
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"a whole video"
 
 

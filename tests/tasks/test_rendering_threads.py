@@ -11,7 +11,7 @@ import sys
 import pytest
 
 RENDER_AND_LIST_THREADS = """
-import json, os, sys
+import json, os
 from simstream.tasks import make_source
 from tests.tasks.test_tasks_source import never, zero_rows
 spec = make_source("pick_place", image_size=32, max_episode_steps=3)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._files import write_whole
 from .evaluate import RolloutConfig
 from .policy import ChunkPolicy, PolicyConfig
 from .text import HashedTextEmbedding
@@ -52,13 +52,7 @@ def save_checkpoint(path: str | Path, checkpoint: PolicyCheckpoint) -> Path:
         "rollout": _plain(dataclasses.asdict(checkpoint.rollout), "rollout"),
         "info": _plain(checkpoint.info, "info"),
     }
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        torch.save(payload, partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
+    return write_whole(path, lambda partial: torch.save(payload, partial))
 
 
 def load_checkpoint(path: str | Path) -> PolicyCheckpoint:

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
+from .._files import write_whole
 from .._validation import MAX_TORCH_THREADS, require, require_int, require_number, require_writable
 from ._report import exit_code, options_checked
 
@@ -119,20 +118,7 @@ def write_video(path: Path, episodes: list[list], fps: int) -> Path:
                 "a .gif needs nothing"
             ) from error
 
-    _write_whole(path, encode)
-    return path
-
-
-def _write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` a hidden sibling of ``path`` (same suffix: it names the format), then rename it into place:
-    an interrupted write (Ctrl-C, SIGTERM) left a plausible but wrong file at ``path``; now none, or the
-    file it replaced."""
-    partial = path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
-    try:
-        write(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    return write_whole(path, encode)
 
 
 def run_eval(args: EvalArgs) -> dict:
@@ -199,7 +185,7 @@ def run_eval(args: EvalArgs) -> dict:
         summary["video"] = str(write_video(args.video, result.frames, args.fps))
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        _write_whole(args.json_out, lambda partial: partial.write_text(json.dumps(summary, indent=2)))
+        write_whole(args.json_out, lambda partial: partial.write_text(json.dumps(summary, indent=2)))
     return summary
 
 

@@ -480,9 +480,7 @@ def stop_then_close(engine: Any, after: Any | None, in_flight: BaseException | N
     as a note on it. A Ctrl-C during the cleanup itself is raised after both steps ran.
     """
     errors: list[BaseException] = []
-    for step in (engine.stop, None if after is None else after.close):
-        if step is None:
-            continue
+    for step in [engine.stop] if after is None else [engine.stop, after.close]:
         try:
             step()
         except BaseException as error:

@@ -45,6 +45,7 @@ _OPEN_VIDEOS_PER_CAMERA = 4
 _OPEN_DATA_FILES = 8
 """Data files an :class:`EpisodeReader` keeps open, with their ``index`` columns."""
 _CACHE_BYTES = 256 * 2**20
+"""Decoded row groups a reader keeps: a replayed dataset of that size is read from its files once."""
 _TIMESTAMP_TOLERANCE_S = 1e-4
 """How far a decoded frame's time may be from its place on the episode's grid (``from_timestamp + t / fps``):
 LeRobot's own tolerance. A frame further off belongs to no frame of the episode (its timestamps are
@@ -52,7 +53,6 @@ wrong), and rounding it to the nearest one served shifted frames, the last from 
 _SEEK_MARGIN_FRAMES = 2
 """Frames before an episode's start that its video read seeks to: with B-frames and open GOPs (HEVC's
 defaults), the keyframe a seek to the start itself finds may come after the start in display order."""
-"""Decoded row groups a reader keeps: a replayed dataset of that size is read from its files once."""
 
 
 @dataclass

@@ -9,7 +9,6 @@ Data flow, one arrow per edge::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import numbers
 import os
@@ -22,6 +21,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from .._files import write_whole
 from .._memory_order import require_ordered_memory
 from .._validation import require, require_int, require_number
 from ..errors import CollectorDiedError
@@ -422,7 +422,6 @@ class APPORunner(AsyncRunner):
     def save_checkpoint(self, path: str) -> str:
         """Save model, target network, optimiser, normaliser, versions and config to ``path``."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        partial = f"{path}.partial"  # renamed once whole: an interrupted save never leaves a torn file
         state = {
             "learner": self.learner.state_dict(),
             "policy_version": self.policy_version,
@@ -432,13 +431,7 @@ class APPORunner(AsyncRunner):
             "config": asdict(self.config),
             "dims": (self.obs_dim, self.act_dim),
         }
-        try:
-            torch.save(state, partial)
-            os.replace(partial, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(partial)
-            raise
+        write_whole(path, lambda partial: torch.save(state, partial))  # never a torn file
         return path
 
     def load_checkpoint(self, path: str) -> None:

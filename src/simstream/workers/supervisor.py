@@ -443,15 +443,16 @@ class WorkerSupervisor:
 
     def _shutdown(self, timeout_s: float, terminate_join_s: float) -> ShutdownReport:
         report = ShutdownReport()
-        self._join_all(list(self._processes.values()), timeout_s)
+        self._join_all(list(self._processes), timeout_s)
         for escalate, join_s in (("terminate", terminate_join_s), ("kill", 1.0)):
             with self._status_lock:
-                alive = [p for p in self._processes.values() if p.is_alive()]
+                alive = [label for label, p in self._processes.items() if p.is_alive()]
             if not alive:
                 break
             report.forced = True
             self._forcing.set()
-            for process in alive:
+            for label in alive:
+                process = self._processes[label]
                 logger.warning("worker %s did not exit in time; calling %s()", process.name, escalate)
                 getattr(process, escalate)()
             self._join_all(alive, join_s)
@@ -493,21 +494,13 @@ class WorkerSupervisor:
             if not _pidfd_exited(fd, 1.0):
                 report.still_alive.append(label)
 
-    def _join_all(self, processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
-        """Join ``processes`` within ``timeout_s``, holding the status lock only for short slices, so that
-        :meth:`dead_workers` (``get_stats()``, a sampling thread's liveness check) waits at most one slice
-        while a stop waits for its workers."""
+    def _join_all(self, labels: list[str], timeout_s: float) -> None:
+        """Join workers ``labels`` within ``timeout_s`` together (:meth:`wait_exited` holds the status lock
+        only for short slices, so :meth:`dead_workers`, as in ``get_stats()`` or a sampling thread's
+        liveness check, waits at most one slice while a stop waits for its workers)."""
         deadline = time.monotonic() + timeout_s
-        for process in processes:
-            while True:
-                began = time.monotonic()
-                with self._status_lock:
-                    process.join(max(0.0, min(_JOIN_SLICE_S, deadline - began)))
-                    if process.exitcode is not None:
-                        break
-                if time.monotonic() >= deadline:
-                    break
-                _wait_out_slice(began, deadline)
+        for label in labels:
+            self.wait_exited(label, max(0.0, deadline - time.monotonic()))
 
     def stop_monitor(self, timeout_s: float = _MONITOR_STOP_S) -> bool:
         """Stop the monitor thread; ``False`` if it did not stop in time."""
