@@ -217,6 +217,40 @@ def test_a_video_missing_a_frame_in_the_middle(tmp_path):
         _read_all(root)
 
 
+def _write_h264(path: Path, frames: int, size: int = 16) -> None:
+    """A 20-fps video of ``frames`` grey frames ``0, 1, ...`` over whatever ``path`` held."""
+    import av
+
+    with av.open(str(path), "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=20, options={"preset": "ultrafast"})
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.time_base = Fraction(1, 20)
+        for pts in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), pts, np.uint8), "rgb24")
+            frame.pts, frame.time_base = pts, Fraction(1, 20)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def test_a_video_shorter_than_its_episodes_is_refused_when_the_spec_is_made(tmp_path):
+    """Its header says it ends before the last episode's last frame: refused before anything streams, not
+    when a producer first draws that episode."""
+    root = _dataset(tmp_path / "ds", episodes=2, image_size=16)
+    first, second = (int(ep["length"]) for ep in read_dataset_meta(root).episodes)
+    path = root / "videos" / "observation.image" / "chunk-000" / "file-000.mp4"
+    _write_h264(path, first + second - 1)  # the second episode's last frame is missing
+    with pytest.raises(
+        LeRobotFormatError,
+        match=rf"{path}: ends at {(first + second - 1) / 20:.6f} s, but episode 1 needs it up to "
+        rf"{(first + second) / 20:.6f} s \(from_timestamp {first / 20:g} s \+ {second} frames at 20 fps\): "
+        "the video is shorter than the episodes that refer to it",
+    ):
+        LeRobotSpec(root)
+    _write_h264(path, first + second)
+    assert [len(e.task_index) for e in _read_all(root)] == [first, second]  # long enough: replayed
+
+
 def _record(root: Path, spec: PatternSpec, episodes: int, **kwargs) -> LeRobotRecorder:
     engine = OnlineDataEngine(
         OnlineDataEngineCfg(source=spec, buffer_size=4, num_workers=1, refill_policy="manual")

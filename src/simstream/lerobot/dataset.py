@@ -341,9 +341,10 @@ def _wanted_columns(path: Path, schema: Any, features: list[Feature]) -> list[st
 
 def check_episode_files(meta: DatasetMeta, features: list[Feature], episodes: list[int]) -> None:
     """Check, before anything streams, every data and video file that ``episodes`` (positions in
-    ``meta.episodes``) refer to: it exists, and a data file holds the columns and dtypes of ``features``
-    (only the parquet footer is read). A partial download then fails at once, not when a producer first
-    draws one of its episodes, deep into training.
+    ``meta.episodes``) refer to: it exists, a data file holds the columns and dtypes of ``features`` (only
+    the parquet footer is read), and a video is long enough for its episodes (only its header is read). A
+    partial download then fails at once, not when a producer first draws one of its episodes, deep into
+    training.
 
     Raises:
         LeRobotFormatError: naming the first file that is missing, empty or does not fit.
@@ -354,12 +355,46 @@ def check_episode_files(meta: DatasetMeta, features: list[Feature], episodes: li
     for path in data_files:
         with _parquet(path):
             _wanted_columns(path, pq.read_schema(path), features)
-    videos = [f.key for f in features if f.dtype == "video"]
-    for path in dict.fromkeys(meta.video_path(meta.episodes[i], key) for i in episodes for key in videos):
+    videos: dict[Path, list[tuple[float, dict[str, Any]]]] = {}
+    for i in episodes:
+        for feature in features:
+            if feature.dtype == "video":
+                ep = meta.episodes[i]
+                start = float(ep[f"videos/{feature.key}/from_timestamp"])
+                videos.setdefault(meta.video_path(ep, feature.key), []).append((start, ep))
+    for path, uses in videos.items():
         if not path.is_file():
             raise LeRobotFormatError(f"{path}: missing (the dataset's metadata refers to it)")
         if path.stat().st_size == 0:
             raise LeRobotFormatError(f"{path}: empty (the dataset's metadata refers to it)")
+        _check_video_length(path, uses, meta.fps)
+
+
+def _check_video_length(path: Path, uses: list[tuple[float, dict[str, Any]]], fps: int) -> None:
+    """Refuse a video that ends before the last frame an episode needs of it (``uses``: each episode's
+    ``from_timestamp`` and metadata row), read from its header: found here, not when a producer first
+    draws the episode. A video whose header gives no duration is checked frame by frame when read."""
+    import av
+
+    try:
+        container = av.open(str(path))
+    except av.error.FFmpegError as error:
+        raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
+    with container:
+        if not container.streams.video:
+            raise LeRobotFormatError(f"{path}: holds no video stream")
+        stream = container.streams.video[0]
+        if stream.duration is None or stream.time_base is None:
+            return
+        ends_s = float((stream.duration + (stream.start_time or 0)) * stream.time_base)
+    start, ep = max(uses, key=lambda use: use[0] + int(use[1]["length"]) / fps)
+    needed_s = start + int(ep["length"]) / fps
+    if ends_s + 0.5 / fps < needed_s:
+        raise LeRobotFormatError(
+            f"{path}: ends at {ends_s:.6f} s, but episode {ep['episode_index']} needs it up to "
+            f"{needed_s:.6f} s (from_timestamp {start:g} s + {int(ep['length'])} frames at {fps:g} fps): "
+            "the video is shorter than the episodes that refer to it (truncated, or re-encoded?)"
+        )
 
 
 @dataclass
