@@ -230,11 +230,11 @@ def test_a_generation_that_waits_for_a_drain_says_so_when_it_times_out():
     with OnlineDataEngine(cfg) as engine:
         generation = engine.request_refill()  # 4 records of generation 1 plus the first window's 4 fill it
         deadline = time.monotonic() + 30
-        while engine._shared.events.pending() < 8 and time.monotonic() < deadline:
-            threading.Event().wait(0.01)  # a bounded poll: the log has no event for "full"
+        while not engine._shared.events.waiting_for_room() and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # a bounded poll: the log has no event for "a producer waits"
         message = (
             f"ODS generation {generation} was not published in 0.2s; the lifecycle log holds 8 of its 8 "
-            "records (0 more reserved) and a window needs room for up to 4: producers wait for "
+            "records (0 more reserved) and a producer waits for room for 4: producers wait for "
             "drain_lifecycle_events()"
         )
         with pytest.raises(TimeoutError, match=re.escape(message)):

@@ -167,6 +167,29 @@ def test_a_sample_right_after_request_refill_waits_for_the_generation_it_names()
         engine.check_health()
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_log_with_room_for_every_writer_is_not_reported_as_pausing_them(backend):
+    """The owner reads whether a writer waits, not a guess at how much the next one reserves: the Ray
+    ingest's guess (publish_windows windows of records, 24 here) called a log with 6 free of 12 full, for
+    producers whose largest window group needs 4, and sampling then stopped waiting for their refill."""
+    from simstream.ray import RayBackend
+
+    cfg = make_cfg(
+        ScriptedSpec(num_envs=2),
+        buffer_size=6,
+        num_workers=3,
+        refill_policy="manual",
+        lifecycle_event_capacity=12,
+        backend=RayBackend() if backend == "ray" else None,
+    )
+    engine = OnlineDataEngine(cfg)  # not started: the log's state is set by hand
+    events = engine._shared.events
+    assert events.reserve(6, should_stop=lambda: False)  # 6 of 12 slots taken
+    assert engine._log_full() == ""
+    assert not events.reserve(7, should_stop=lambda: engine._log_full() != "", poll_s=0.001)
+    assert engine._log_full() == ""  # the reservation that found no room gave up
+
+
 def test_producers_paused_on_a_full_lifecycle_log_are_not_waited_for_and_the_error_says_why():
     """Only the owner's drain_lifecycle_events() frees the log, and the owner is the one sampling: waiting
     for the refill would last the whole sample_wait_timeout (1e6 s here, far past the test's timeout)."""

@@ -179,6 +179,29 @@ def test_should_stop_interrupts_the_wait(log):
     assert log.pending() == 4 and log.state_dict()["reserved"] == 0
 
 
+def test_a_reservation_waiting_for_room_says_how_much_it_wants_while_it_waits(log):
+    """What the owner reads to tell its own drain is what producers wait for: the slots wanted while a
+    reservation waits, 0 once a drain made room, once it returned, and once it was stopped."""
+    log.append([_record(episode_id=i) for i in range(3)])  # 1 of 4 slots free
+    assert log.waiting_for_room() == 0  # full enough, but nobody waits
+    seen = []
+
+    def should_stop() -> bool:
+        seen.append(log.waiting_for_room())
+        if len(seen) == 2:
+            log.drain()
+            seen.append(log.waiting_for_room())  # room made: no longer paused, though not woken yet
+        return False
+
+    assert log.reserve(3, should_stop, poll_s=0.001)
+    assert seen == [3, 3, 0]
+    log.append([_record(episode_id=9)])  # the log is full again, and nobody waits
+    assert log.free_slots() == 0 and log.waiting_for_room() == 0
+    stops = []
+    assert not log.reserve(2, lambda: stops.append(log.waiting_for_room()) or len(stops) >= 2, poll_s=0.001)
+    assert stops == [2, 2] and log.waiting_for_room() == 0  # the stopped reservation no longer waits
+
+
 def _producer(log, ready, stopping) -> None:
     assert log.free_slots() == 0
     ready.set()

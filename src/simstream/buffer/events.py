@@ -29,6 +29,8 @@ PUBLISHED, EVICTED = range(2)
 # Column order of the int64 record table.
 _FIELDS = ("kind", "sequence", "run_id", "episode_id", "generation", "slot", "monotonic_ns")
 _SCALARS = _FIELDS[2:]
+_CURSOR_LEN = 5
+"""Shared counters: next sequence, drained, reserved, reservations waiting, slots the latest one wants."""
 
 
 def _shared_tensor(ctx: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[Any, torch.Tensor]:
@@ -78,9 +80,10 @@ class LifecycleEventLog:
         self.max_steps = max_steps
         self._lock = SharedLock()
         self._space_freed = Doorbell(ctx)
-        # [next_sequence, drained, reserved]: sequences below `drained` have been handed to the owner;
-        # `reserved` slots are promised to appends that have not happened yet.
-        self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (3,))
+        # [next_sequence, drained, reserved, waiting, wanted]: sequences below `drained` have been handed
+        # to the owner; `reserved` slots are promised to appends that have not happened yet; `waiting`
+        # reservations wait for room, the latest of them for `wanted` slots.
+        self._raw_cursor, self._cursor = _shared_tensor(ctx, torch.int64, (_CURSOR_LEN,))
         self._raw_table, self._table = _shared_tensor(ctx, torch.int64, (capacity, len(_FIELDS)))
         self._raw_masks, self._masks = _shared_tensor(ctx, torch.bool, (capacity, 2, max_steps))
         self._numpy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -97,7 +100,7 @@ class LifecycleEventLog:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._holding = threading.local()
-        self._cursor = _view(self._raw_cursor, torch.int64, (3,))
+        self._cursor = _view(self._raw_cursor, torch.int64, (_CURSOR_LEN,))
         self._table = _view(self._raw_table, torch.int64, (self.capacity, len(_FIELDS)))
         self._masks = _view(self._raw_masks, torch.bool, (self.capacity, 2, self.max_steps))
         self._numpy = None
@@ -136,6 +139,15 @@ class LifecycleEventLog:
         wait (for messages about a full log, which must not hang on a stopped holder)."""
         cursor = self._arrays()[0]
         return int(cursor[0]) - int(cursor[1]), int(cursor[2])
+
+    def waiting_for_room(self) -> int:
+        """Slots a reservation waits for while fewer are free (the latest to wait, if several do); 0 when
+        none waits, or when a drain has freed enough meanwhile. Read without the lock, as
+        :meth:`fill_estimate`: it tells the owner that its writers are paused until it drains."""
+        cursor = self._arrays()[0]
+        waiting, wanted = int(cursor[3]), int(cursor[4])
+        free = self.capacity - (int(cursor[0]) - int(cursor[1])) - int(cursor[2])
+        return wanted if waiting > 0 and free < wanted else 0
 
     def free_slots(self) -> int:
         """Number of records that can be appended or reserved before the log is full."""
@@ -284,17 +296,28 @@ class LifecycleEventLog:
             if should_stop():
                 raise _Stopped
 
+        cursor, waited, done = self._arrays()[0], False, False
         try:
             while True:
                 with self._lock.held(check):
                     if self._free_locked() >= count:
-                        self._arrays()[0][2] += count
+                        cursor[2] += count
+                        cursor[3] -= int(waited)
+                        done = True
                         return True
+                    if not waited:
+                        waited = True
+                        cursor[3] += 1
+                    cursor[4] = count
                 check()
                 # a drain between the look above and this sleep rang the bell: the sleep ends at once
                 self._space_freed.wait(poll_s)
         except _Stopped:
             return False
+        finally:
+            if waited and not done:  # stopped, or the lock's check raised
+                with contextlib.suppress(_Stopped), self._lock.held(check):
+                    cursor[3] -= 1
 
     def release(self, count: int, check: Callable[[], None] | None = None) -> None:
         """Gives back ``count`` reserved slots that will not be appended (at most what is reserved).
@@ -336,7 +359,7 @@ class LifecycleEventLog:
     def state_dict(self) -> dict[str, int]:
         """Counters of the log: ``next_sequence`` (records ever appended), ``pending`` and ``reserved``."""
         with self._lock.held(None):
-            end, start, reserved = (int(value) for value in self._cursor)
+            end, start, reserved = (int(value) for value in self._cursor[:3])
         return {"next_sequence": end, "pending": end - start, "reserved": reserved}
 
     def _pending_locked(self) -> int:

@@ -413,20 +413,18 @@ class OnlineDataEngine(EngineLifecycle):
             )
 
     def _log_full(self) -> str:
-        """Why producers may be paused: a lifecycle log too full for their next window; else ``""``."""
+        """Why producers are paused: a reservation in the lifecycle log waits for room that only
+        :meth:`drain_lifecycle_events` frees; else ``""``."""
         events = self._shared.events
         if events is None:
             return ""
-        pending, reserved = events.fill_estimate()
-        window = 2 * self._num_envs  # a window's published + evicted records
-        backend = self.cfg.backend
-        if backend is not None:  # the Ray ingest reserves the windows it publishes together at once
-            window *= min(backend.publish_windows, backend.windows_per_call * backend.calls_in_flight)
-        if events.capacity - pending - reserved >= window:
+        wanted = events.waiting_for_room()
+        if not wanted:
             return ""
+        pending, reserved = events.fill_estimate()
         return (
             f"; the lifecycle log holds {pending} of its {events.capacity} records ({reserved} more "
-            f"reserved) and a window needs room for up to {window}: producers wait for "
+            f"reserved) and a producer waits for room for {wanted}: producers wait for "
             "drain_lifecycle_events() (a refill writes up to two records per row it writes)"
         )
 
