@@ -205,6 +205,49 @@ def test_a_build_that_hangs_fails_the_start_naming_the_node_its_actor_runs_on(cl
     stop_quietly(engine)
 
 
+def test_an_actor_lost_inside_its_build_is_named_with_its_node(cluster, tmp_path):
+    """The actor ran (its node known from where()) and died inside build(): the error names that node,
+    not "unknown (its actor never started)"."""
+    stamp = tmp_path / "build"
+    spec = ScriptedSpec(fault="build_sigkill", stamp=str(stamp))
+    backend = RayBackend(resources={"sim": 1}, restart_delay_s=0.0, max_restarts=0)
+    engine = OnlineDataEngine(ray_cfg(spec, backend, num_workers=1))
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            engine.start()
+        except BaseException as error:
+            outcome.append(error)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    try:
+        wait_for(stamp.exists, "the build to begin")  # where() was asked with the build: answered by now
+    finally:
+        (tmp_path / "build.go").touch()
+        starting.join(150)
+    assert not starting.is_alive() and len(outcome) == 1 and isinstance(outcome[0], RayProducerError), outcome
+    error = outcome[0]
+    assert str(error).startswith(
+        f"Ray producer producer-0 on node {sim_node_id(cluster)}: its actor was lost"
+    )
+    assert error.node_id == sim_node_id(cluster) and error.restarts == 0
+    stop_quietly(engine)
+
+
+def test_a_source_built_while_the_engine_stops_is_closed(cluster, tmp_path):
+    """Producer 0 fails the start while producer 1 is still inside its (slow) build: producer 1's source
+    is closed once built, as a local producer's would be, not killed unclosed."""
+    log = tmp_path / "closed"
+    spec = ScriptedSpec(fault="raise", rollout_s=3.0, build_s=(0.0, 8.0), close_log=str(log))
+    engine = OnlineDataEngine(ray_cfg(spec, shutdown_timeout=30.0))
+    with pytest.raises(KeyError, match="scripted failure in rollout"):
+        engine.start()
+    stop_quietly(engine)
+    assert sorted(log.read_text().split()) == ["0", "1"]
+
+
 def test_hanging_call_fails_the_engine_after_its_timeout_and_stop_ends_the_actor(cluster):
     backend = RayBackend(resources={"sim": 1}, call_timeout_s=2.0, max_restarts=0)
     engine = OnlineDataEngine(ray_cfg(ScriptedSpec(fault="hang", fault_worker=1), backend, num_workers=2))

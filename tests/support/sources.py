@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,7 +54,8 @@ class ScriptedSpec:
     """The first N attempts of every window report a failed episode."""
     fault: str | None = None
     """One of: raise, timeout (a ``TimeoutError`` of the source's own), unpicklable, oddinit, exit, sigkill,
-    segfault, hang, stall, bad_report, build_raise, build_hang,
+    segfault, hang, stall, bad_report, build_raise, build_hang, build_sigkill (``build()`` writes its pid to
+    ``stamp``, waits for a file ``stamp + ".go"``, then SIGKILLs its process),
     unwritten (the last row of the rollout leaves its last 3 reported ``actions`` frames unwritten),
     sys_exit (``sys.exit`` with a message), none (returns None without being asked to stop), node_only
     (raises ``NodeOnlyError`` of a module ``simstream_node_only_error`` that only the producer can import)."""
@@ -70,6 +72,12 @@ class ScriptedSpec:
     """Seconds ``close()`` takes (a recorder flushing)."""
     rollout_log: str | None = None
     """A file every rollout appends a line to (``worker attempt``): how many ran, wherever they ran."""
+    close_log: str | None = None
+    """A file every ``close()`` appends its worker index to (a line)."""
+    build_s: tuple[float, ...] = ()
+    """Seconds ``build()`` takes, per worker index (a simulator loading its assets); 0 past the end."""
+    stamp: str | None = None
+    """The file of ``fault="build_sigkill"``."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -83,6 +91,15 @@ class ScriptedSpec:
             raise ValueError("source could not be built")
         if self.fault == "build_hang" and worker_index == self.fault_worker:
             threading.Event().wait(3600)
+        if self.fault == "build_sigkill" and worker_index == self.fault_worker:
+            with open(self.stamp, "w") as handle:
+                handle.write(str(os.getpid()))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.stamp + ".go") and time.monotonic() < deadline:
+                threading.Event().wait(0.01)  # a bounded poll: the test's go-ahead is a file
+            os.kill(os.getpid(), signal.SIGKILL)
+        if worker_index < len(self.build_s):
+            threading.Event().wait(self.build_s[worker_index])
         return ScriptedSource(self, worker_index, seed)
 
 
@@ -181,6 +198,9 @@ class ScriptedSource:
         return episodes
 
     def close(self) -> None:
+        if self.spec.close_log:
+            with open(self.spec.close_log, "a") as log:
+                log.write(f"{self.worker}\n")
         if self.spec.close_s:
             threading.Event().wait(self.spec.close_s)
         if self.spec.close_fault == "raise":

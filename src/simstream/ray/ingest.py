@@ -329,9 +329,13 @@ class RayProducers:
         refs, streams = {}, []
         for producer in self._producers:
             built = producer.build_ref is None or bool(ray.wait([producer.build_ref], timeout=0)[0])
-            if producer.actor is not None and built:  # built, whether or not its result was received
+            # built (whether or not its result was received), or running its build: its source may exist
+            # by the time close() runs, as a local producer's built while the engine stops is closed too.
+            # An actor not placed yet has nothing to close
+            if producer.actor is not None and (built or self._placed_on(producer) is not None):
                 # stop ends the rollout in progress and makes every later window return at once; close,
-                # queued behind the streams, then closes the source in the thread that built it
+                # queued behind the streams (or the build), then closes the source in the thread that
+                # built it
                 producer.actor.stop.options(concurrency_group="control").remote()
                 streams += [stream.generator for stream in producer.calls]
                 producer.calls.clear()
@@ -586,7 +590,7 @@ class RayProducers:
     def _lost(self, producer: _Producer, error: BaseException) -> None:
         self._publish_held(producer)  # arrived whole before the loss: as good as any other window
         first = producer.calls[0] if producer.calls else None
-        node = producer.node_id
+        node = producer.node_id or self._placed_on(producer)  # a replacement lost while building has one too
         self._kill(producer)
         progress = self._shared.progress
         progress.set_worker_pid(producer.index, 0)  # no actor until the replacement is built
@@ -630,6 +634,11 @@ class RayProducers:
                 continue
             except GetTimeoutError:
                 continue
+            except RayError as error:  # would fail the same way again, as a window call's does
+                self._publish_held(producer)
+                self._fail(
+                    producer, producer.node_id, f"its watch call failed ({_describe(error)})", "failed"
+                )
             self._watch(producer)
 
     def _check_timeout(self, producer: _Producer, now: float) -> None:
@@ -654,7 +663,8 @@ class RayProducers:
         if now - producer.head_since <= limit:
             return
         head = producer.build_ref or producer.calls[0].head
-        if ray.wait([head], timeout=0)[0]:
+        # done on its actor's node counts, whether or not its copy has reached this one yet
+        if ray.wait([head], timeout=0, fetch_local=False)[0]:
             # finished, only not received yet: the ingest itself was held up (e.g. waiting for room in the
             # lifecycle log, or for the recorder), which is back-pressure, not a hang of the actor
             return
