@@ -139,8 +139,8 @@ class SharedLanguageRegistry:
             memoryview(self._buffer).cast("B")[start:end] = encoded
             # The bytes are in place before the length moves, so readers never see a partial line.
             self._length.value = end
-            self._parsed = end
-            return self._add(kind, description)
+            self._refresh_cache()
+            return self._indices[kind][description]
 
     def resolve(self, indices: torch.Tensor, *, kind: str = "task") -> str | list[Any]:
         """Maps an integer tensor of indices to texts, nested like the tensor.
@@ -181,7 +181,9 @@ class SharedLanguageRegistry:
     def _reset_cache(self) -> None:
         self._pid = os.getpid()
         self._cache_lock = threading.RLock()
-        self._parsed = 0
+        self._parsed: tuple[int, dict[str, int]] = (0, dict.fromkeys(_KINDS, 0))
+        """Bytes parsed and the texts of each kind they hold, set in one assignment once a parse ends:
+        a parse cut short (a Ctrl-C in the owner) leaves texts past these counts, dropped by the next."""
         self._texts: dict[str, list[str]] = {kind: [] for kind in _KINDS}
         self._indices: dict[str, dict[str, int]] = {kind: {} for kind in _KINDS}
 
@@ -199,21 +201,22 @@ class SharedLanguageRegistry:
 
     def _refresh_cache(self) -> None:
         length = int(self._length.value)
-        if length <= self._parsed:
+        parsed, counts = self._parsed
+        if length <= parsed:
             return
-        chunk = bytes(memoryview(self._buffer).cast("B")[self._parsed : length]).decode("utf-8")
+        for kind, count in counts.items():  # what a parse cut short added past its last commit
+            texts, indices = self._texts[kind], self._indices[kind]
+            while len(texts) > count:
+                indices.pop(texts[-1], None)
+                texts.pop()
+        chunk = bytes(memoryview(self._buffer).cast("B")[parsed:length]).decode("utf-8")
         # Split on "\n" only: JSON escapes it inside texts, but str.splitlines() would also break on
         # characters such as U+2028 that ensure_ascii=False leaves raw.
         for line in chunk.split("\n")[:-1]:
             kind, text = json.loads(line)
-            self._add(kind, text)
-        self._parsed = length
-
-    def _add(self, kind: str, text: str) -> int:
-        index = len(self._texts[kind])
-        self._texts[kind].append(text)
-        self._indices[kind][text] = index
-        return index
+            self._indices[kind][text] = len(self._texts[kind])
+            self._texts[kind].append(text)
+        self._parsed = (length, {kind: len(texts) for kind, texts in self._texts.items()})
 
 
 def _nest(values: list[Any], shape: tuple[int, ...]) -> list[Any]:

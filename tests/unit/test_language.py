@@ -181,6 +181,55 @@ def test_copies_see_each_others_entries(registry):
     assert registry.intern("third") == 2
 
 
+def _interrupt_the_parse_at(monkeypatch, line: int) -> None:
+    """The ``line``-th line a registry parses from now on raises KeyboardInterrupt (a Ctrl-C)."""
+    import simstream.language
+
+    calls, loads = [], json.loads
+
+    def interrupted(text):
+        calls.append(None)
+        if len(calls) == line:
+            raise KeyboardInterrupt
+        return loads(text)
+
+    monkeypatch.setattr(simstream.language.json, "loads", interrupted)
+
+
+def test_a_parse_cut_short_by_a_ctrl_c_leaves_every_index_right(registry, monkeypatch):
+    """A Ctrl-C in the owner's refresh once left the texts parsed before it in the cache, parsed again
+    by the next refresh: counts grew, indices resolved to other texts, and new texts got wrong ids."""
+    other = SharedLanguageRegistry.__new__(SharedLanguageRegistry)
+    other.__setstate__(registry.__getstate__())
+    assert registry.intern("first") == 0
+    for text in ("second", "third", "fourth"):
+        other.intern(text)
+    other.intern("a subtask", kind="subtask")
+    with monkeypatch.context() as patch:
+        _interrupt_the_parse_at(patch, 3)  # "second" and "third" parsed, then the Ctrl-C
+        with pytest.raises(KeyboardInterrupt):
+            registry.count()
+    assert registry.count() == 4 and registry.count("subtask") == 1
+    assert registry.resolve(torch.tensor([3, 1, 0])) == ["fourth", "second", "first"]
+    assert registry.intern("third") == 2 and registry.intern("fifth") == 4
+    assert other.resolve(torch.tensor([4])) == ["fifth"]
+
+
+def test_an_intern_cut_short_after_its_entry_is_written_keeps_its_index(registry, monkeypatch):
+    """Written to the shared bytes, its index is every process's: the interrupted process knows it too
+    (it had marked the entry parsed before adding it to its cache, and lost it)."""
+    other = SharedLanguageRegistry.__new__(SharedLanguageRegistry)
+    other.__setstate__(registry.__getstate__())
+    assert registry.intern("first") == 0
+    with monkeypatch.context() as patch:
+        _interrupt_the_parse_at(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            registry.intern("second")
+    assert other.intern("second") == 1
+    assert registry.intern("second") == 1 and registry.count() == 2
+    assert registry.resolve(torch.tensor([1])) == ["second"]
+
+
 def _child_interns_and_resolves(registry, child_done, parent_done) -> None:
     assert registry.resolve(torch.tensor([0])) == ["set by the parent"]
     assert registry.intern("set by the child\nwith ünïcode") == 1
