@@ -256,7 +256,11 @@ def test_eval_refuses_more_executed_steps_than_the_policy_predicts(quick_run, ca
         (["--batch-size", "0"], "StreamArgs.batch_size must be an int >= 1, got 0"),
         (
             ["--chunk-size", "500"],
-            "StreamArgs.chunk_size must be <= the source's max_episode_steps 100, got 500",
+            "StreamArgs.chunk_size must be <= the source's shortest episode 60, got 500",
+        ),
+        (  # longer than some episodes: it failed, or not, at a random sample_batch
+            ["--chunk-size", "61"],
+            "StreamArgs.chunk_size must be <= the source's shortest episode 60, got 61",
         ),
         (["--task", "nosuch"], "nosuch"),
         (
@@ -280,12 +284,13 @@ def test_stream_rejects_a_bad_option_with_exit_code_2(options, message, capsys):
     assert out == ""  # refused before it says it starts anything
 
 
-def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("frames", ["4", "1000000000"])  # more than an episode has: each of its frames once
+def test_inspect_prints_segments_and_writes_a_frame_strip(tmp_path, capsys, monkeypatch, frames):
     import tqdm
 
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # its monitor thread would outlive the test
     strip = tmp_path / "strip.png"
-    argv = ["inspect", "--episodes", "2", "--show", "1", "--frames", "4", "--image-size", "48"]
+    argv = ["inspect", "--episodes", "2", "--show", "1", "--frames", frames, "--image-size", "48"]
     assert simstream([*argv, "--out", str(strip)]) == 0
     assert strip.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out

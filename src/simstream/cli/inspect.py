@@ -96,7 +96,8 @@ def save_strip(path: Path, shown: list[tuple[object, object]], frames: int) -> P
     columns = min(frames, max(episode.length for episode, _ in shown))
     fig, axes = plt.subplots(len(shown), 1, figsize=(1.6 * columns, 2.1 * len(shown)), squeeze=False)
     for ax, (episode, images) in zip(axes[:, 0], shown):
-        steps = sorted({round(i * (episode.length - 1) / max(frames - 1, 1)) for i in range(frames)})
+        count = min(frames, episode.length)  # a huge --frames costs no more than the episode's length
+        steps = sorted({round(i * (episode.length - 1) / max(count - 1, 1)) for i in range(count)})
         gap = torch.full((3, height, 4), 255, dtype=torch.uint8)
         tiles = [tile for t in steps for tile in (images[t], gap)][:-1]
         ax.imshow(torch.cat(tiles, dim=2).permute(1, 2, 0).numpy())

@@ -30,7 +30,9 @@ class StreamArgs:
     batch_size: int = 64
     """Chunks per sample_batch call."""
     chunk_size: int = 16
-    """Frames per chunk."""
+    """Frames per chunk, at most the source's shortest episode (60 frames for the synthetic source; a
+    task's expert episodes vary in length, and a chunk longer than every episode published is refused
+    when sampled)."""
     refill_threshold: int = 0
     """Refill after ``refill_threshold * buffer_size`` chunks; 0 keeps producers refilling continuously."""
     backend: Literal["local", "ray"] = "local"
@@ -76,10 +78,13 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         from simstream.tasks import make_source
 
         source = make_source(args.task, num_envs=1)
-    if args.chunk_size > source.max_episode_steps:  # known now, not after the first generation
+    # known now, not after the first generation: the synthetic source's shortest episode, else a row
+    shortest, what = getattr(source, "min_length", None), "shortest episode"
+    if shortest is None:
+        shortest, what = source.max_episode_steps, "max_episode_steps"
+    if args.chunk_size > shortest:
         raise ValueError(
-            f"StreamArgs.chunk_size must be <= the source's max_episode_steps {source.max_episode_steps}, "
-            f"got {args.chunk_size}"
+            f"StreamArgs.chunk_size must be <= the source's {what} {shortest}, got {args.chunk_size}"
         )
     cfg = OnlineDataEngineCfg(
         source=source,
@@ -98,14 +103,15 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
     with engine:
         print(f"first generation of {args.buffer_size} episodes ready in {time.monotonic() - began:.1f} s")
         first = engine.get_stats()
-        batches, start = 0, time.monotonic()
+        batches, start, shown = 0, time.monotonic(), 0.0
         with tqdm(total=args.seconds, unit="s", bar_format="{l_bar}{bar}| {elapsed} {postfix}") as bar:
             while (elapsed := time.monotonic() - start) < args.seconds:
                 engine.sample_batch(args.batch_size, args.chunk_size)
                 batches += 1
-                if batches % 50 == 0:
+                if elapsed >= shown + 0.2:  # by time: a batch may take a millisecond or a second
+                    shown = elapsed
                     bar.n = round(elapsed, 1)
-                    bar.set_postfix(batches_per_s=f"{batches / elapsed:.0f}")
+                    bar.set_postfix(batches_per_s=_rate(batches / elapsed))
         elapsed = time.monotonic() - start
         stats = engine.get_stats()
     rates = {
@@ -115,11 +121,16 @@ def run_stream(args: StreamArgs) -> dict[str, float]:
         "generations": float(stats["completed_generation"]),
     }
     print(
-        f"sampled {rates['batches_per_s']:.0f} batches/s ({rates['frames_per_s']:.0f} frames/s) while "
+        f"sampled {_rate(rates['batches_per_s'])} batches/s ({rates['frames_per_s']:.0f} frames/s) while "
         f"producers published {rates['fresh_episodes_per_s']:.1f} fresh episodes/s "
         f"({stats['completed_generation']} generations)"
     )
     return rates
+
+
+def _rate(per_s: float) -> str:
+    """A rate with its significant digits: ``4860``, ``12``, ``0.37`` (a batch may take seconds)."""
+    return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2g}"
 
 
 def main(argv: list[str]) -> int:
