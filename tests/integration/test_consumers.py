@@ -107,6 +107,26 @@ def test_dataloader_item_mode_collates_chunks():
         assert bool(batch["valid"].all())
 
 
+def _as_pair(chunk):
+    return {"obs": chunk["obs"], "t": chunk["obs"][:, 1]}, chunk["actions"]
+
+
+def test_item_mode_collates_what_a_transform_returns_as_torch_does():
+    """A transform returning a dict and a tuple of tensors: batched by torch's default_collate (torch.stack
+    of the items failed with "expected Tensor as element 0 in argument 0, but got tuple")."""
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        dataset = OnlineDataset(engine, chunk_size=5, transform=_as_pair, seed=3)
+        for workers in (0, 2):
+            loader = dataset.loader(num_workers=workers, batch_size=4, timeout=60 if workers else 0)
+            features, actions = next(iter(loader))
+            assert features["obs"].shape == (4, 5, 3) and actions.shape == (4, 5, 2)
+            steps = features["t"]
+            assert torch.equal(steps, features["obs"][:, :, 1])
+            assert torch.equal(steps - steps[:, :1], torch.arange(5.0).expand(4, 5))  # consecutive frames
+            assert torch.equal(actions[:, :, 0], features["obs"][:, :, 0])  # each pair from one chunk
+            del loader
+
+
 def test_in_process_dataset_is_reproducible_with_a_seed():
     with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
         first = next(iter(OnlineDataset(engine, chunk_size=3, batch_size=8, seed=4)))

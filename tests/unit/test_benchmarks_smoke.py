@@ -253,6 +253,22 @@ def test_an_arena_moved_to_shared_memory_is_never_recycled(harness):
     assert len(harness.sampler.gatherer.pool._arenas) <= harness.sampler.gatherer.pool.max_arenas
 
 
+def test_an_arena_moved_to_shared_memory_is_let_go_even_while_another_is_free(harness):
+    """It was forgotten only when no free arena of the layout was found: with one always free, the shared
+    one stayed in the pool, mapped, with its file descriptor, for the life of the sampler."""
+    pool = harness.sampler.gatherer.pool
+    shared = _sample(harness)
+    spare = _sample(harness)  # a second arena of the same layout
+    storage = shared["obs"].untyped_storage()
+    shared["obs"].share_memory_()
+    del shared, spare  # the spare arena is free from now on
+    for seed in range(3):
+        batch = _sample(harness, seed)
+        del batch
+    assert all(arena.storage.data_ptr() != storage.data_ptr() for arena in pool._arenas)
+    assert not any(arena.storage.is_shared() for arena in pool._arenas)
+
+
 def test_out_batches_and_pickled_pools_start_empty(harness):
     out = _sample(harness)
     again = harness.sampler.sample_chunks(8, 4, "episode", None, out=out)

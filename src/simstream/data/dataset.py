@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from ..errors import DataBudgetExhaustedError
 from ..sampling.gather import BatchLayout
@@ -242,8 +242,14 @@ class OnlineDataset(IterableDataset):
 
     @staticmethod
     def collate_fn(items: list[TensorDict]) -> TensorDict:
-        """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; a slot in workers)."""
+        """Stack item-mode chunks into a batch ``[len(items), chunk_size]`` (one arena; a slot in workers).
+
+        Items a ``transform`` turned into something else (a dict or tuple of tensors, a tensor) are
+        collated by torch's ``default_collate``.
+        """
         first = items[0] if items else None
+        if first is not None and not isinstance(first, TensorDictBase):
+            return default_collate(items)
         if not isinstance(first, TensorDictBase) or not _tensors_only(first):
             return torch.stack(items)  # stack(out=) keeps only the keys ``out`` has: non-tensors would go
         keys = list(first.keys(include_nested=True))

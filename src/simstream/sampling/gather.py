@@ -159,6 +159,8 @@ class ArenaPool:
         if self._pid != os.getpid():
             self._reset()
         with self._lock:
+            # shared arenas may be mapped by another process: never written again, forgotten here
+            self._arenas = [a for a in self._arenas if not a.storage.is_shared()]
             # aliases are made under the lock: from then on the arena counts as taken
             free = [a for a in self._arenas if self._is_free(a)]
             for arena in free:
@@ -166,8 +168,6 @@ class ArenaPool:
                     self._arenas.remove(arena)
                     self._arenas.append(arena)  # most recently used last
                     return arena.targets, [leaf.detach() for leaf in arena.leaves]
-            # shared arenas may be mapped by another process: never written again, forgotten here
-            self._arenas = [a for a in self._arenas if not a.storage.is_shared()]
             pooled = sum(a.storage.nbytes() for a in self._arenas)
 
             def full() -> bool:
