@@ -537,7 +537,9 @@ def test_a_call_past_its_timeout_publishes_the_windows_held_then_fails_naming_th
     from simstream.ray import RayProducerError
 
     finished = set()
-    monkeypatch.setattr(ingest.ray, "wait", lambda refs, timeout: ([r for r in refs if r in finished], []))
+    monkeypatch.setattr(
+        ingest.ray, "wait", lambda refs, timeout, fetch_local=True: ([r for r in refs if r in finished], [])
+    )
     producers._hold(producer, ingest._Item(0, 1, 1), payloads[:1], time.monotonic())
     head = object()
     producer.calls.append(ingest._Stream(head, 1, 3, 1))  # an item of 2 windows: 10 s before it is a hang
