@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -374,7 +375,7 @@ def test_del_of_an_unstopped_owner_engine_stops_its_workers():
 
 
 _ORPHAN_SCRIPT = """
-import os, signal, sys
+import os, select, signal, sys
 from simstream import OnlineDataEngine
 from tests.support.engines import make_cfg, stop_quietly
 
@@ -385,6 +386,15 @@ if __name__ == "__main__":
     engine.start()
     print(" ".join(str(p.pid) for p in engine._supervisor.processes.values()), flush=True)
     print(forkserver._forkserver._forkserver_pid, util.get_temp_dir(), flush=True)
+    if sys.argv[1:] == ["helper"]:  # a process the owner forks (a Pool's worker) outlives it
+        helper = os.fork()
+        if helper == 0:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)  # the test reads the script's output to its end: not this process's
+            os.dup2(null, 2)
+            select.select([], [], [], 120)  # until the test kills it, at most 120 s
+            os._exit(0)
+        print(helper, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -425,6 +435,34 @@ def test_producers_exit_when_the_owner_is_killed(tmp_path):
     wait_for_exit([*pids, int(forkserver_pid)], 10, "orphaned producers and forkserver")
     assert os.path.basename(temp_dir).startswith("pymp-")
     assert not os.path.exists(temp_dir), "the forkserver left its killed owner's multiprocessing directory"
+
+
+@pytest.mark.timeout(_SCRIPT_S + 60)
+def test_producers_exit_when_the_owner_is_killed_while_a_process_it_forked_lives_on(tmp_path):
+    """The forked process inherited the pipe the producers watched for their owner's exit: they ran on
+    for as long as it lived (a Pool's workers, whose parent died, wait for ever)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, output = tmp_path / "owner.py", tmp_path / "output"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    with open(output, "w") as handle:  # not a pipe: its reader would wait for every process holding it
+        subprocess.run(
+            [sys.executable, str(script), "helper"], stdout=handle, stderr=subprocess.STDOUT,
+            timeout=_SCRIPT_S, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, check=False,
+        )  # fmt: skip
+    lines = [line for line in output.read_text().splitlines() if line and line[0].isdigit()]
+    assert len(lines) == 3, output.read_text()[-2000:]
+    producers, helper = [int(p) for p in lines[0].split()], int(lines[2])
+    try:
+        wait_for_exit(producers, 10, "producers of an owner killed while its forked helper lives")
+        os.kill(helper, 0)  # still there: it was no help to the producers
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
+        wait_for_exit([helper, int(lines[1].split()[0])], 30, "the helper and the fork server")
 
 
 _CONSUMER_OF_A_KILLED_OWNER_SCRIPT = """

@@ -106,12 +106,12 @@ def exit_with_owner(grace_s: float = 0.0, last_words: Callable[[], None] | None 
     call), or whose parent-pid check cannot see the owner (a ``forkserver`` worker's parent is the fork
     server). Does nothing in a process nobody started.
     """
-    owner = mp.parent_process()
-    if owner is None:
+    gone = _owner_exit_fd()
+    if gone is None:
         return
 
     def watch() -> None:
-        wait_for_sentinels([owner.sentinel])
+        wait_for_sentinels([gone])
         if grace_s > 0:
             threading.Event().wait(grace_s)
         if last_words is not None:
@@ -125,15 +125,51 @@ def owner_watch() -> Callable[[], bool]:
     """In a worker: a check that is true once the process that started this one has exited.
 
     Workers poll it as often as their stop event (sources poll before every control step), so it is one
-    ``poll(2)`` on the owner's sentinel, registered once: ``parent_process().is_alive()`` builds a selector
-    per call and costs ten times as much. Always false in a process nobody started.
+    ``poll(2)`` on :func:`_owner_exit_fd`, registered once: ``parent_process().is_alive()`` builds a
+    selector per call and costs ten times as much. Always false in a process nobody started.
     """
-    owner = mp.parent_process()
-    if owner is None:
+    gone = _owner_exit_fd()
+    if gone is None:
         return lambda: False
     poller = select.poll()
-    poller.register(owner.sentinel, select.POLLIN)  # readable (EOF) once the owner is gone
+    poller.register(gone, select.POLLIN)
     return lambda: bool(poller.poll(0))
+
+
+_owner_exit: tuple[int, int] | None = None
+"""``(pid, fd)``: :func:`_owner_exit_fd` of process ``pid`` (a forked child opens its own)."""
+
+
+def _owner_exit_fd() -> int | None:
+    """A descriptor that becomes readable once the process that started this one has exited (``None`` in
+    a process nobody started): a pidfd of it.
+
+    Not ``parent_process().sentinel``: that is a pipe whose write end the owner keeps, and every process
+    the owner forks afterwards (a ``multiprocessing.Pool``, a fork-context helper) inherits a copy. While
+    one of those lived, an owner's SIGKILL went unseen and the producers ran on. The sentinel serves
+    where pidfds do not exist (Linux < 5.3).
+    """
+    global _owner_exit
+    owner = mp.parent_process()
+    if owner is None:
+        return None
+    if _owner_exit is not None and _owner_exit[0] == os.getpid():
+        return _owner_exit[1]
+    if not hasattr(os, "pidfd_open"):
+        return owner.sentinel
+    try:
+        fd = os.pidfd_open(owner.pid)
+    except ProcessLookupError:  # gone already: a pipe whose write end is closed reads as EOF for ever
+        fd, write = os.pipe()
+        os.close(write)
+    except OSError:
+        return owner.sentinel
+    if select.select([owner.sentinel], [], [], 0)[0]:  # gone before the pidfd, its pid maybe reused
+        os.close(fd)
+        fd, write = os.pipe()
+        os.close(write)
+    _owner_exit = (os.getpid(), fd)
+    return fd
 
 
 class EntryFlags:
