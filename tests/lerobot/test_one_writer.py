@@ -80,6 +80,15 @@ from simstream.lerobot.names import KeyMap
 from simstream.lerobot.writer import DatasetWriter
 from tests.lerobot.sources import PatternSpec
 writer = DatasetWriter(sys.argv[1], features_from_fields(PatternSpec().fields(), KeyMap(), video=True), 20)
+if sys.argv[2:] == ["fork"]:  # a DataLoader worker forked by the recording process, outliving it
+    import os
+
+    child = os.fork()
+    if child == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.stdin.readline()  # until the test closes stdin
+        os._exit(0)
+    print("child", child, flush=True)
 print("open", flush=True)
 sys.stdin.readline()
 """
@@ -103,6 +112,37 @@ def test_a_writer_in_another_process_holds_the_folder_until_it_is_killed(tmp_pat
         holder.stdout.close()
     with DatasetWriter(root, _FEATURES, 20) as writer:
         assert writer.episodes_flushed == 0
+
+
+def test_a_process_forked_by_a_killed_writer_does_not_keep_the_folder(tmp_path):
+    """The forked child had a copy of the lock's descriptor, and a flock belongs to every copy: the folder
+    stayed locked after the writer's SIGKILL until the child exited."""
+    from tests.support.processes import wait_for_exit
+
+    root = tmp_path / "ds"
+    repo = Path(__file__).resolve().parents[2]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(root), "fork"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    child = None
+    try:
+        line = holder.stdout.readline().split()
+        assert line[0] == "child", line
+        child = int(line[1])
+        assert holder.stdout.readline().strip() == "open"
+        holder.kill()
+        holder.wait(30)
+        os.kill(child, 0)  # alive, and with the descriptor it inherited
+        with DatasetWriter(root, _FEATURES, 20) as writer:
+            assert writer.episodes_flushed == 0
+    finally:
+        holder.kill()
+        holder.wait(30)
+        holder.stdin.close()  # the child's readline ends
+        holder.stdout.close()
+        if child is not None:
+            wait_for_exit([child], 30, "the forked child")
 
 
 def test_a_refused_append_changes_nothing(tmp_path):

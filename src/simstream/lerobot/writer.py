@@ -17,6 +17,7 @@ may lag one group behind its episodes files until the next flush or repair.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -141,16 +142,16 @@ class DatasetWriter:
     def close(self) -> None:
         """Let other writers open the dataset (queued episodes not flushed are dropped). Idempotent.
 
-        In a forked child that inherited the writer this closes the child's descriptor only: the lock
-        belongs to the process that took it.
+        In a forked child that inherited the writer this does nothing: the lock belongs to the process
+        that took it, and the child's copy of its descriptor was closed when it was forked.
         """
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
+        # in a forked child the descriptor was closed at the fork (its number may be another file's
+        # now); LOCK_UN there would also have freed the parent's lock, which shares the description
         if os.getpid() == self._lock_pid:
             _unlock_folder(fd)
-        else:  # LOCK_UN acts on the description shared with the parent: it would free the parent's lock
-            os.close(fd)
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -544,9 +545,28 @@ class DatasetInUseError(RuntimeError):
     """Another writer (in this process or another) has the dataset folder open."""
 
 
+_FOLDER_LOCKS: set[int] = set()
+"""Descriptors of :func:`_lock_folder` this process holds."""
+
+
+def _close_inherited_folder_locks() -> None:
+    """In a forked child: close the folder locks' descriptors it inherited. A ``flock`` belongs to every
+    copy of its descriptor, so a child (a ``DataLoader`` worker forked by the trainer) kept the dataset
+    locked after the recording process was SIGKILLed, until the child exited. The parent's lock is
+    unaffected: it holds a descriptor of its own."""
+    for fd in _FOLDER_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _FOLDER_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_folder_locks)
+
+
 def _lock_folder(root: Path) -> int:
     """An exclusive ``flock`` on the folder itself (no lock file to leave behind); the kernel drops it when
-    the holder dies, SIGKILL included."""
+    the holder dies, SIGKILL included (forked children close their copies: see
+    :func:`_close_inherited_folder_locks`)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -559,12 +579,14 @@ def _lock_folder(root: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
+    _FOLDER_LOCKS.add(fd)
     return fd
 
 
 def _unlock_folder(fd: int) -> None:
     """Release :func:`_lock_folder`'s lock in the process that took it (``LOCK_UN``: released even while
     forked children still hold copies of the descriptor), and close the descriptor."""
+    _FOLDER_LOCKS.discard(fd)
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
 
