@@ -158,6 +158,40 @@ def test_stop_cancels_a_running_start():
     assert engine.state is OnlineDataEngineState.STOPPED
 
 
+def test_a_stop_during_a_slow_launch_waits_for_it_and_leaves_no_worker_behind(monkeypatch):
+    """The launch can take long (the fork server's first start imports torch): a stop() from another
+    thread timed out its wait, cleaned up beside it (no workers yet) and returned STOPPED; the workers
+    launched after were nobody's, their pidfds never closed."""
+    import simstream.engine.lifecycle as lifecycle
+    from simstream.workers.supervisor import WorkerSupervisor
+
+    monkeypatch.setattr(lifecycle, "_START_ABORT_SLACK_S", 0.1)  # stop()'s wait ends in 0.6 s
+    launching, release = threading.Event(), threading.Event()
+    real_start = WorkerSupervisor.start
+
+    def slow_start(self, specs):
+        launching.set()
+        assert release.wait(60), "the test never released the launch"
+        return real_start(self, specs)
+
+    monkeypatch.setattr(WorkerSupervisor, "start", slow_start)
+    engine = OnlineDataEngine(make_cfg(shutdown_timeout=0.5))
+    starting, errors = _start_in_a_thread(engine)
+    stopping = threading.Thread(target=engine.stop)
+    try:
+        assert launching.wait(60), "start() never launched"
+        stopping.start()
+        stopping.join(3.0)  # five times the wait that ended it
+        assert stopping.is_alive(), "stop() returned while start() was still launching workers"
+    finally:
+        release.set()
+        stopping.join(60)
+        starting.join(60)
+    assert not stopping.is_alive() and not starting.is_alive()
+    assert len(errors) == 1 and "start() was cancelled by stop()" in str(errors[0])
+    assert engine.state is OnlineDataEngineState.STOPPED and engine._supervisor is None
+
+
 @pytest.mark.parametrize(
     ("close_fault", "error_type", "message"),
     [

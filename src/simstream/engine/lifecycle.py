@@ -40,6 +40,10 @@ _DURABILITY_MESSAGE = (
 )
 
 
+_START_ABORT_SLACK_S = 10.0
+"""How much longer than the workers' exit bound a ``stop()`` from another thread waits for a cancelled
+``start()`` to end (once its workers are launched)."""
+
 _running_engines: weakref.WeakSet = weakref.WeakSet()
 """Engines whose producers this process started and has not stopped yet."""
 
@@ -117,7 +121,11 @@ class EngineLifecycle:
             self._lifecycle.notify_all()
         self._busy_thread = threading.get_ident()
         try:
-            self._launch_workers()
+            self._launching = True
+            try:
+                self._launch_workers()
+            finally:
+                self._launching = False
             self._wait_for_initial_fill()
             with self._lifecycle:
                 self._raise_if_start_interrupted()
@@ -266,9 +274,15 @@ class EngineLifecycle:
                 self._shared.close_flag.set()
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
-                # the start's own bounded shutdown (with a wait for an ingest inside ray.init), and more
-                limit = self._workers_exit_s() + self._ray_join_bound_s() + 10.0
-                self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit)
+                # the start's own bounded shutdown (with a wait for an ingest inside ray.init), and more;
+                # the start's launch first, however long (the fork server's first start imports torch):
+                # a cleanup here beside it found no workers yet, and the ones launched after were nobody's
+                limit = self._workers_exit_s() + self._ray_join_bound_s() + _START_ABORT_SLACK_S
+                launched = not self._launching  # for a whole wait: the start's cleanup had all of it
+                while not self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit):
+                    if launched:
+                        break
+                    launched = not self._launching
                 if self.state is State.STOPPED:
                     return
                 # start() failed after all (a source's close() raised, or a worker had to be forced):
