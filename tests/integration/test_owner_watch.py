@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
+import time
 from multiprocessing.connection import wait
 
 import pytest
@@ -18,7 +20,11 @@ def _worker(results, started) -> None:
     gone = owner_watch()
     results.put(("while the owner lives", gone()))
     started.set()
-    wait([mp.parent_process().sentinel], timeout=30.0)  # the owner's exit, as the OS reports it
+    wait([mp.parent_process().sentinel], timeout=30.0)  # the owner closing its files, as it exits
+    # the owner's pidfd (what gone() polls) reports the exit a moment later, once the process has ended
+    deadline = time.monotonic() + 10.0
+    while not gone() and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
     results.put(("after the owner exited", gone()))
 
 
