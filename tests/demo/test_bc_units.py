@@ -624,6 +624,30 @@ def test_noisy_producers_get_more_attempts_per_window():
     assert engine_config(vision).refill_threshold == 0 and vision.idle_threads == 0  # streams continuously
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "default"),
+    [
+        ("action_noise", 0.2, 0.0),
+        ("object_aux_weight", 1.0, 0.0),
+        ("cameras", ("top",), ("front", "wrist")),
+        ("image_size", 128, 64),
+        ("shift", 8, 4),
+        ("channels", 32, 16),
+    ],
+)
+def test_a_camera_policy_option_without_vision_is_refused(name, value, default):
+    """It trained the state policy, which never reads it, and the summary recorded it as applied."""
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"DemoConfig.{name} must be {default!r} (its default) without --vision (vision=False): it "
+            f"applies to the camera policy only, got {value!r}. Add --vision, or leave the option out"
+        ),
+    ):
+        DemoConfig(**{name: value})
+    assert getattr(DemoConfig(vision=True, **{name: value}), name) == value
+
+
 def test_cameras_given_as_a_list_are_taken_as_a_tuple():
     assert DemoConfig(cameras=["front", "wrist"]).cameras == ("front", "wrist")
     with pytest.raises(ValueError, match=r"DemoConfig.cameras must be one or more distinct cameras"):

@@ -54,6 +54,17 @@ def test_record_writes_a_dataset_and_says_where(tmp_path, capsys):
     assert "(4 episodes, LeRobot v3.0)" in capsys.readouterr().out
 
 
+def test_record_without_out_writes_datasets_named_after_the_task(tmp_path, monkeypatch, capsys):
+    """The default was datasets/pick_place whatever the task: stack episodes went into pick_place's."""
+    monkeypatch.chdir(tmp_path)
+    args = ["record", "--task", "stack", "--episodes", "1", "--num-workers", "1", "--buffer-size", "2"]
+    assert simstream(args) == 0
+    out = tmp_path / "datasets" / "stack"
+    assert f"dataset: {out} (1 episodes, LeRobot v3.0)" in capsys.readouterr().out
+    assert read_dataset_meta(out).info["total_episodes"] == 1
+    assert not (tmp_path / "datasets" / "pick_place").exists()
+
+
 def test_record_encodes_cameras_as_h264_video_by_default(tmp_path):
     out = tmp_path / "video"
     args = ["record", "--task", "pick_place", "--episodes", "2", "--out", str(out), "--num-workers", "1"]

@@ -218,6 +218,7 @@ class DemoConfig:
         for name, low, high in NETWORK_SIZE_BOUNDS:  # named here: the flags are the demo's
             require_int("DemoConfig", name, getattr(self, name), low, high)
         self._check_cameras()
+        self._check_vision_only()
         self._check_device()
         self.training_dtype  # noqa: B018  (validates precision)
         self.policy_config  # noqa: B018  (validates the policy fields)
@@ -241,6 +242,19 @@ class DemoConfig:
             and len(set(cameras)) == len(cameras),
             "DemoConfig", "cameras", f"one or more distinct cameras of {CAMERAS}", cameras,
         )  # fmt: skip
+
+    def _check_vision_only(self) -> None:
+        """The camera policy's fields, changed without ``vision``, would be recorded in the run's summary
+        as if they had been applied to the state policy they never reach."""
+        if self.vision:
+            return
+        for name in _VISION_ONLY:
+            default = type(self).__dataclass_fields__[name].default
+            require(
+                getattr(self, name) == default, "DemoConfig", name,
+                f"{default!r} (its default) without --vision (vision=False): it applies to the camera policy "
+                "only", getattr(self, name), "Add --vision, or leave the option out",
+            )  # fmt: skip
 
     def _check_device(self) -> None:
         import torch
@@ -315,6 +329,17 @@ class DemoConfig:
         """This config with :data:`VISION_OVERRIDES` applied (``--vision``; before ``with_quick``)."""
         return dataclasses.replace(self, vision=True, **VISION_OVERRIDES)
 
+
+_VISION_ONLY = (
+    "cameras",
+    "image_size",
+    "shift",
+    "channels",
+    "action_noise",
+    "object_aux_weight",
+    "object_input",
+)
+"""Fields of the camera policy and its producers (``--vision``)."""
 
 QUICK_OVERRIDES: dict[str, object] = {
     "buffer_size": 16,

@@ -28,8 +28,9 @@ class RecordArgs:
     """Built-in task (``simstream.tasks.list_tasks()``)."""
     episodes: int = 100
     """Episodes to record."""
-    out: Path = Path("datasets/pick_place")
-    """Dataset folder: created, or appended to when it holds a dataset (repaired first if interrupted)."""
+    out: Path | None = None
+    """Dataset folder: created, or appended to when it holds a dataset (repaired first if interrupted).
+    Default: ``datasets/<task>``."""
     image_size: int | None = None
     """Record the camera as ``observation.image`` at this size (square); default: low-dimensional only."""
     num_workers: int = 2
@@ -71,10 +72,15 @@ class RecordArgs:
         require_int("RecordArgs", "seed", self.seed, 0, 2**63 - 1)
         if self.image_size is not None:
             require_int("RecordArgs", "image_size", self.image_size, 8, 2048)
-        require_writable("RecordArgs", "out", self.out, folder=True)
+        require_writable("RecordArgs", "out", self.out_path, folder=True)
         from simstream.ray.backend import backend_from_flags  # no ray import: the flags' rules only
 
         backend_from_flags("RecordArgs", self.backend, self.ray_address)
+
+    @property
+    def out_path(self) -> Path:
+        """Where the dataset goes: ``out``, or ``datasets/<task>`` (one task's episodes per dataset)."""
+        return Path(self.out) if self.out is not None else Path("datasets") / self.task
 
 
 PROGRESS_EVERY_S = 0.25
@@ -122,7 +128,7 @@ def run_record(args: RecordArgs, progress: bool = True) -> dict[str, float]:
     from simstream.ray.backend import backend_from_flags
     from simstream.tasks import make_source
 
-    out = Path(args.out)
+    out = args.out_path
     check_dataset_folder(out, "--out")
     key_map = KeyMap.parse(args.key_map).overrides
     source = make_source(

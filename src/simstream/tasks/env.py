@@ -26,7 +26,7 @@ class TaskEnv:
     Examples:
         >>> env = TaskEnv("pick_place")  # doctest: +SKIP
         >>> obs = env.reset(seed=0); env.instruction  # doctest: +SKIP
-        'pick up the green cube and place it in the bin'
+        'pick up the blue cube and place it in the bin'
         >>> obs, reward, terminated, truncated, info = env.step(env.home_action())  # doctest: +SKIP
     """
 

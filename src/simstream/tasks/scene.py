@@ -95,6 +95,9 @@ class TabletopScene:
         self.data.ctrl[:7] = np.clip(action[:7], self.joint_low, self.joint_high)
         self.data.ctrl[7] = MAX_OPENING * float(np.clip(action[7], 0.0, 1.0))
         mujoco.mj_step(self.model, self.data, nstep=self.n_substeps)
+        # mj_step computes positions before it integrates: without this, the tool, the cubes and every
+        # camera frame read after the step were one 2-ms sub-step older than the joints beside them
+        mujoco.mj_kinematics(self.model, self.data)
 
     # ------------------------------------------------------------------ reading the physics by name
     def arm_q(self) -> np.ndarray:
