@@ -174,6 +174,28 @@ def test_two_shutdowns_at_once_run_one_after_the_other():
     assert supervisor.processes == {}
 
 
+def test_a_ctrl_c_between_two_closes_of_a_shutdown_leaves_a_later_shutdown_clean():
+    """The shutdown closed the workers one by one, then forgot them: interrupted in between, it left closed
+    processes registered, and the next shutdown (the stop() after the Ctrl-C) failed joining them."""
+    ctx = mp.get_context("fork")
+    channel, stop = ErrorChannel(ctx), ctx.Event()
+    supervisor = _supervisor(ctx, channel, None)
+    supervisor.start([WorkerSpec(f"w{i}", _WAIT, (stop,)) for i in range(2)])
+    second = supervisor.processes["w1"]
+    close = second.close
+
+    def interrupted_close() -> None:
+        close()
+        raise KeyboardInterrupt
+
+    second.close = interrupted_close
+    stop.set()
+    with pytest.raises(KeyboardInterrupt):
+        supervisor.shutdown(60.0)
+    report = supervisor.shutdown(60.0)
+    assert report.exitcodes == {} and report.still_alive == [] and supervisor.processes == {}
+
+
 def test_a_ctrl_c_while_a_spawn_worker_is_prepared_is_ignored_as_in_its_body():
     """The owner decides on Ctrl-C; a worker's first act ignores it. Before that act, a ``spawn`` worker
     unpickles its arguments and re-imports the main module for seconds: a Ctrl-C then killed it with a

@@ -504,15 +504,17 @@ class WorkerSupervisor:
         if not report.still_alive and report.monitor_stopped:
             with self._status_lock:
                 self._final_exitcodes.update(report.exitcodes)
-                for process in self._processes.values():
-                    process.close()
-                self._processes.clear()
-                for fd in self._pidfds.values():
-                    os.close(fd)
-                self._pidfds.clear()
+                # forgotten before they are closed: a Ctrl-C between two closes left closed processes
+                # registered, and the next stop() failed joining them
+                processes, self._processes = list(self._processes.values()), {}
+                pidfds, self._pidfds = list(self._pidfds.values()), {}
                 self._exit_signals.clear()
                 self._exits = select.poll()  # closed sentinels' numbers may be reused
                 self._exit_read.clear()
+                for fd in pidfds:  # first: a process left open by an interrupt is closed when collected
+                    os.close(fd)
+                for process in processes:
+                    process.close()
         return report
 
     def _kill_survivors_of_a_dead_fork_server(self, report: ShutdownReport) -> None:
