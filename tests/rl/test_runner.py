@@ -355,6 +355,54 @@ def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_lear
     assert runner.ring.stats().consumed == 3
 
 
+def test_a_serial_rollout_committed_when_a_ctrl_c_lands_is_trained_on_next_not_kept_behind(monkeypatch):
+    """A Ctrl-C after the serial collector committed its rollout, before the learner took it, left it
+    READY: every later iteration collected a new rollout and trained on the one before (policy lag 1 for
+    the rest of the run, serial no longer equal to sync)."""
+    from simstream.rl.ring import FREE, RolloutRing
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(2, log_dir=None)
+        commit = RolloutRing.commit
+
+        def commit_then_ctrl_c(ring, slot, version):
+            commit(ring, slot, version)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(RolloutRing, "commit", commit_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(1, log_dir=None)
+        monkeypatch.setattr(RolloutRing, "commit", commit)
+        runner.learn(4, log_dir=None)
+        assert runner.ring.states() == [FREE] * runner.config.num_slots
+    lags = [row["rl/policy_lag"] for row in runner.history]
+    assert lags == [0, 0, 0, 0, 0, 0], lags  # the rollout left behind was made with the current policy
+
+
+def test_a_ctrl_c_inside_the_serial_collector_s_weight_copy_leaves_no_mixed_policy(monkeypatch):
+    """The collector took the new version before copying the weights: cut short, its model was half old,
+    half new, stamped new, and not read again until the next publish (V-trace then clipped half the
+    importance ratios of a rollout that must have none)."""
+    import simstream.rl.collector as collector_module
+
+    with APPORunner(_tiny(mode="serial")) as runner:
+        runner.learn(2, log_dir=None)
+        unpack = collector_module.unpack_policy
+
+        def copy_cut_short(vector, model, normalizer):
+            first = next(model.parameters())
+            with torch.no_grad():
+                first.copy_(vector[: first.numel()].view_as(first))
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(collector_module, "unpack_policy", copy_cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(1, log_dir=None)
+        monkeypatch.setattr(collector_module, "unpack_policy", unpack)
+        runner.learn(2, log_dir=None)
+    assert [row["vtrace/rho_clip_fraction"] for row in runner.history] == [0.0] * 4
+
+
 def test_a_ctrl_c_inside_a_serial_environment_step_lets_the_step_finish(ctrl_c_raises):
     """Serial mode steps the environments in the learner's thread: a Ctrl-C inside ``envs.step`` left the
     environments a step ahead of the observation the collector kept (and of its episode counters), so

@@ -37,7 +37,7 @@ from .collector import (
 from .config import APPOConfig
 from .learner import APPOLearner
 from .model import packed_size
-from .ring import RolloutRing, TakenSlot
+from .ring import READY, RolloutRing, TakenSlot
 from .runner import _SPAWN, AsyncRunner, CloseReport
 from .weights import WeightBuffer
 
@@ -344,7 +344,9 @@ class APPORunner(AsyncRunner):
         if self._untrained is not None:  # taken by a learn() that a Ctrl-C ended before its update
             return self._untrained
         cfg, ring = self.config, self.ring
-        if self._serial is not None:
+        # a rollout left READY by a Ctrl-C after its commit is trained on first: collecting another one
+        # beside it kept serial mode a rollout behind, at policy lag 1, for the rest of the run
+        if self._serial is not None and READY not in ring.states():
             self._serial.pull_weights(lambda: False, -1)
             self._serial.collect(self._no_free_slot_within(self.runner_config.data_timeout_s))
         max_count = cfg.num_slots if cfg.mode == "async" else 1

@@ -160,8 +160,11 @@ class RolloutCollector:
     def _apply_newest_weights(self) -> None:
         """Load the published weights when they are newer than the ones in use (a no-op otherwise)."""
         if self.weights.version != self.version:
-            self.version = self.weights.read_into(self._vector, on_retry=self.beat)
+            version = self.weights.read_into(self._vector, on_retry=self.beat)
+            # the version last: a Ctrl-C inside the copy (serial mode, the learner's thread) left a model
+            # half old, half new, stamped as the new version, and never read again until the next publish
             unpack_policy(self._vector, self.model, self.normalizer)
+            self.version = version
 
     def collect(self, should_stop: Callable[[], bool]) -> bool:
         """Write one rollout into a ring slot and commit it; ``False`` if stopped first."""
