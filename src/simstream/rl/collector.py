@@ -135,7 +135,10 @@ class RolloutCollector:
         self.version = -1
         self._vector = torch.empty(weights.size)
         self._noise = torch.Generator().manual_seed(spec.seed + 7919)
-        obs, _ = self.envs.reset(seed=spec.seed)
+        # a seed of its own per environment: gymnasium's default (seed + i) gave runs with seeds 0 and 1
+        # 15 of their 16 environments' starts in common
+        env_seeds = np.random.SeedSequence(spec.seed).generate_state(spec.num_envs, dtype=np.uint32)
+        obs, _ = self.envs.reset(seed=[int(s) for s in env_seeds])
         self.obs = torch.as_tensor(obs, dtype=torch.float32)
         self.ep_return = np.zeros(spec.num_envs)
         self.ep_length = np.zeros(spec.num_envs)
