@@ -24,7 +24,7 @@ lint: venv
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
-	@$(MAKE) --no-print-directory test-ray
+	$(if $(ARGS),@echo "ARGS given: the Ray tests did not run (make test-ray runs them)",@$(MAKE) --no-print-directory test-ray)
 
 test-ray: venv
 	timeout 900 $(NETNS) sh -c 'ip link set lo up && exec $(PY) -m pytest -q tests/ray_backend'

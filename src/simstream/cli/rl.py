@@ -46,7 +46,7 @@ class RLArgs:
     target_return: float | None = None
     """Stop once the mean return of the last stats-window episodes reaches this."""
     name: str | None = None
-    """Run name; output goes to <runs-dir>/<name>/ (default: <env>-<mode>-<time>)."""
+    """Run name; output goes to <runs-dir>/<name>/ (default: <env>-<mode>-<date>-<time>)."""
     runs_dir: str = "runs"
     """Folder that holds the runs (created when missing)."""
     resume: str | None = None

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     from .format import LeRobotFormatError
     from .recorder import LeRobotRecorder
     from .spec import LeRobotSpec
+    from .writer import DatasetInUseError
 
 __all__ = [
+    "DatasetInUseError",
     "KeyMap",
     "LeRobotFormatError",
     "LeRobotRecorder",
@@ -28,7 +30,12 @@ __all__ = [
     "field_to_feature",
 ]
 
-_LAZY = {"LeRobotRecorder": "recorder", "LeRobotSpec": "spec", "LeRobotFormatError": "format"}
+_LAZY = {
+    "DatasetInUseError": "writer",
+    "LeRobotRecorder": "recorder",
+    "LeRobotSpec": "spec",
+    "LeRobotFormatError": "format",
+}
 
 
 def __getattr__(name: str) -> Any:
