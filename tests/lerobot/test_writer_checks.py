@@ -69,6 +69,39 @@ def test_add_refuses_frames_that_do_not_make_one_episode_naming_the_field(tmp_pa
     assert [e["length"] for e in read_dataset_meta(tmp_path / "ds").episodes] == [12]
 
 
+def test_an_episodes_file_renamed_into_place_whose_folder_sync_failed_counts_as_committed(
+    tmp_path, monkeypatch
+):
+    """The rename is the commit point: when the folder's fsync after it failed, the group was on disk but
+    kept queued as uncommitted, and a retry would have written its episodes a second time."""
+    from simstream.lerobot import format as format_module
+
+    root = tmp_path / "ds"
+    writer = _writer(root)
+    writer.add(pattern_record(0))
+    writer.flush()
+    real = format_module.fsync_dir
+
+    def failing_sync(folder):
+        if folder.parent.name == "episodes":
+            raise OSError(5, "Input/output error")
+        return real(folder)
+
+    monkeypatch.setattr(format_module, "fsync_dir", failing_sync)
+    writer.add(pattern_record(1))
+    with pytest.raises(OSError, match="Input/output error"):
+        writer.flush()
+    monkeypatch.undo()
+    with pytest.raises(
+        RuntimeError, match=re.escape("an earlier flush failed after committing its episodes (OSError: ")
+    ):
+        writer.flush()
+    writer.close()
+    with _writer(root) as reopened:  # the committed group is the dataset's, once
+        assert reopened.episodes_flushed == 2
+    assert [e["episode_index"] for e in read_dataset_meta(root).episodes] == [0, 1]
+
+
 def test_a_flush_that_failed_after_its_commit_point_refuses_the_next_and_reopening_repairs(
     tmp_path, monkeypatch
 ):

@@ -272,6 +272,7 @@ class DatasetWriter:
         if not group:
             return 0
         chunk, file = divmod(self.next_file, CHUNKS_SIZE)
+        episodes_path = None  # set once the group's files are written: only the commit point remains
         try:
             for episode in group:
                 self.tasks.setdefault(episode.task, len(self.tasks))
@@ -286,7 +287,12 @@ class DatasetWriter:
             write_parquet(data_path, table)
             episodes_path = self.root / EPISODES_PATH.format(chunk_index=chunk, file_index=file)
             write_parquet(episodes_path, self._episodes_table(group, stats, videos, chunk, file))  # commit
-        except BaseException:
+        except BaseException as error:
+            if episodes_path is not None and episodes_path.exists():
+                # renamed into place, then its folder's fsync failed: committed, so the counts below are
+                # wrong from now on, as when info.json fails (flushing the group again would duplicate it)
+                self._failed_after_commit = f"{type(error).__name__}: {error}"
+                raise
             # nothing of the group is committed: it stays queued, and a later flush writes it again over
             # the same file numbers (a full disk that was freed); the files it wrote are not referred to
             self._pending = group + self._pending
