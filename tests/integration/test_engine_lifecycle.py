@@ -192,6 +192,43 @@ def test_a_stop_during_a_slow_launch_waits_for_it_and_leaves_no_worker_behind(mo
     assert engine.state is OnlineDataEngineState.STOPPED and engine._supervisor is None
 
 
+def test_a_stop_during_a_launch_that_outlasts_initialization_timeout_returns_and_start_ends_its_workers(
+    monkeypatch,
+):
+    """stop() waits for a launch only up to initialization_timeout (a wedged fork server must not hang it
+    too); the start thread, once its launch ends, ends the workers it launched itself."""
+    import simstream.engine.lifecycle as lifecycle
+    from simstream.workers.supervisor import WorkerSupervisor
+
+    monkeypatch.setattr(lifecycle, "_START_ABORT_SLACK_S", 0.1)
+    launching, release, launched = threading.Event(), threading.Event(), []
+    real_start = WorkerSupervisor.start
+
+    def wedged_start(self, specs):
+        launching.set()
+        assert release.wait(60), "the test never released the launch"
+        real_start(self, specs)
+        launched.extend((self, p.pid) for p in self.processes.values())
+
+    monkeypatch.setattr(WorkerSupervisor, "start", wedged_start)
+    engine = OnlineDataEngine(make_cfg(shutdown_timeout=0.5, initialization_timeout=1.0))
+    starting, errors = _start_in_a_thread(engine)
+    try:
+        assert launching.wait(60), "start() never launched"
+        engine.stop()  # returns: 1 s for the launch, then 0.6 s for the start's own cleanup
+        assert engine.state is OnlineDataEngineState.STOPPED
+    finally:
+        release.set()
+        starting.join(60)
+    assert not starting.is_alive()
+    assert len(errors) == 1 and "start() was cancelled by stop()" in str(errors[0]), errors
+    assert len(launched) == 1
+    supervisor, pid = launched[0]
+    wait_for_exit([pid], 30, "the workers launched after the stop gave up waiting")
+    assert supervisor.processes == {}, "nobody joined the workers launched after the stop gave up"
+    assert engine.state is OnlineDataEngineState.STOPPED
+
+
 @pytest.mark.parametrize(
     ("close_fault", "error_type", "message"),
     [

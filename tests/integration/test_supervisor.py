@@ -17,16 +17,16 @@ _EXIT = "tests.support.workers:exit_when_told"
 _WAIT = "tests.support.workers:wait_for"
 
 
-def _tell_when_joined(process) -> threading.Event:
-    """An event set once something starts to join ``process``."""
-    joining, join = threading.Event(), process.join
+def _tell_when_waited(supervisor: WorkerSupervisor) -> threading.Event:
+    """An event set once something (a shutdown) starts to wait for a worker of ``supervisor`` to exit."""
+    waiting, wait_exited = threading.Event(), supervisor.wait_exited
 
-    def join_and_tell(timeout=None):
-        joining.set()
-        return join(timeout)
+    def wait_and_tell(label, timeout_s):
+        waiting.set()
+        return wait_exited(label, timeout_s)
 
-    process.join = join_and_tell
-    return joining
+    supervisor.wait_exited = wait_and_tell
+    return waiting
 
 
 def _supervisor(ctx, channel, on_exit) -> WorkerSupervisor:
@@ -126,7 +126,7 @@ def test_exit_statuses_stay_readable_while_a_shutdown_waits_for_its_workers(meth
     channel, stop = ErrorChannel(ctx), ctx.Event()
     supervisor = _supervisor(ctx, channel, None)
     supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
-    joining = _tell_when_joined(supervisor.processes["slow"])
+    joining = _tell_when_waited(supervisor)
     reports = []
     shutdown = threading.Thread(target=lambda: reports.append(supervisor.shutdown(60.0)))
     shutdown.start()
@@ -151,7 +151,7 @@ def test_two_shutdowns_at_once_run_one_after_the_other():
     channel, stop = ErrorChannel(ctx), ctx.Event()
     supervisor = _supervisor(ctx, channel, None)
     supervisor.start([WorkerSpec("slow", _WAIT, (stop,))])
-    joining = _tell_when_joined(supervisor.processes["slow"])
+    joining = _tell_when_waited(supervisor)
     reports, errors = [], []
 
     def shutdown() -> None:

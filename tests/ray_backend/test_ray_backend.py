@@ -239,8 +239,11 @@ def test_an_actor_lost_inside_its_build_is_named_with_its_node(cluster, tmp_path
 def test_a_source_built_while_the_engine_stops_is_closed(cluster, tmp_path):
     """Producer 0 fails the start while producer 1 is still inside its (slow) build: producer 1's source
     is closed once built, as a local producer's would be, not killed unclosed."""
-    log = tmp_path / "closed"
-    spec = ScriptedSpec(fault="raise", rollout_s=3.0, build_s=(0.0, 8.0), close_log=str(log))
+    log, stamp = tmp_path / "closed", tmp_path / "build"
+    spec = ScriptedSpec(
+        fault="raise", build_s=(0.0, 8.0), close_log=str(log), stamp=str(stamp),
+        fault_after_file=f"{stamp}.1",  # producer 0 fails once producer 1's build has begun
+    )  # fmt: skip
     engine = OnlineDataEngine(ray_cfg(spec, shutdown_timeout=30.0))
     with pytest.raises(KeyError, match="scripted failure in rollout"):
         engine.start()

@@ -77,7 +77,10 @@ class ScriptedSpec:
     build_s: tuple[float, ...] = ()
     """Seconds ``build()`` takes, per worker index (a simulator loading its assets); 0 past the end."""
     stamp: str | None = None
-    """The file of ``fault="build_sigkill"``."""
+    """The file of ``fault="build_sigkill"``; with ``build_s``, each slow build writes ``stamp.<worker>``
+    as it begins."""
+    fault_after_file: str | None = None
+    """The fault fires only once this file exists (waited for, at most 60 s)."""
 
     def fields(self) -> Mapping[str, Field]:
         fields = {"obs": Field((3,)), "actions": Field((2,)), "rewards": Field(())}
@@ -98,7 +101,10 @@ class ScriptedSpec:
             while not os.path.exists(self.stamp + ".go") and time.monotonic() < deadline:
                 threading.Event().wait(0.01)  # a bounded poll: the test's go-ahead is a file
             os.kill(os.getpid(), signal.SIGKILL)
-        if worker_index < len(self.build_s):
+        if worker_index < len(self.build_s) and self.build_s[worker_index]:
+            if self.stamp is not None:
+                with open(f"{self.stamp}.{worker_index}", "w") as handle:
+                    handle.write(str(os.getpid()))
             threading.Event().wait(self.build_s[worker_index])
         return ScriptedSource(self, worker_index, seed)
 
@@ -114,6 +120,10 @@ class ScriptedSource:
         spec = self.spec
         if spec.fault is None or self.worker != spec.fault_worker or self.rollouts < spec.fault_after:
             return
+        if spec.fault_after_file is not None:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(spec.fault_after_file) and time.monotonic() < deadline:
+                threading.Event().wait(0.01)  # a bounded poll: the go-ahead is a file
         kind = spec.fault
         if kind == "raise":
             raise KeyError("scripted failure in rollout")

@@ -144,8 +144,9 @@ def test_observations_do_not_share_memory(name):
 
 
 def test_positions_read_after_a_step_are_those_of_the_joints_beside_them():
-    """mj_step computes positions before it integrates: the tool and the cubes read after a step were one
-    2-ms sub-step older than the joint angles in the same observation (up to 0.8 mm of the tool)."""
+    """mj_step computes positions before it integrates: the tool, the cubes and the cameras read after a
+    step were one 2-ms sub-step older than the joint angles in the same observation (up to 0.8 mm of the
+    tool)."""
     import mujoco
 
     from simstream.tasks.scene import COLOURS
@@ -159,10 +160,12 @@ def test_positions_read_after_a_step_are_those_of_the_joints_beside_them():
         scene = env.scene
         fresh = mujoco.MjData(scene.model)
         fresh.qpos[:], fresh.qvel[:] = scene.data.qpos, scene.data.qvel
-        mujoco.mj_kinematics(scene.model, fresh)
+        mujoco.mj_forward(scene.model, fresh)
         np.testing.assert_array_equal(scene.tcp_pos(), fresh.site("tcp").xpos)
         for colour in COLOURS:
             np.testing.assert_array_equal(scene.cube_pos(colour), fresh.body(f"{colour}_cube").xpos)
+        np.testing.assert_array_equal(scene.data.cam_xpos, fresh.cam_xpos)  # the wrist camera moves too
+        np.testing.assert_array_equal(scene.data.cam_xmat, fresh.cam_xmat)
     env.close()
 
 

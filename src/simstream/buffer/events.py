@@ -315,8 +315,8 @@ class LifecycleEventLog:
         except _Stopped:
             return False
         finally:
-            if waited and not done:  # stopped, or the lock's check raised
-                with contextlib.suppress(_Stopped), self._lock.held(check):
+            if waited and not done:  # stopped, or the lock's check raised: not with that check again
+                with self._lock.held(None):
                     cursor[3] -= 1
 
     def release(self, count: int, check: Callable[[], None] | None = None) -> None:

@@ -75,9 +75,9 @@ class OnlineDataEngine(EngineLifecycle):
         self._lifecycle = threading.Condition(threading.RLock())
         self._stop_requested = False
         self._busy_thread: int | None = None
+        """The thread inside start() or stop() (a signal handler's stop() there must not wait for it)."""
         self._launching = False
         """``start()`` is launching the workers (a ``stop()`` from another thread waits for that)."""
-        """The thread inside start() or stop() (a signal handler's stop() there must not wait for it)."""
         self._cleanup_complete = False
         self._forced_shutdown = False
         self._supervisor = None

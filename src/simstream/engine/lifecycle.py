@@ -117,11 +117,11 @@ class EngineLifecycle:
                     f"OnlineDataEngine.start() requires state CREATED; current state is {state.value}."
                 )
             self._stop_requested = False
+            self._launching = True  # with the state: a stop() that sees STARTING sees the launch too
             self._set_state(State.STARTING)
             self._lifecycle.notify_all()
         self._busy_thread = threading.get_ident()
         try:
-            self._launching = True
             try:
                 self._launch_workers()
             finally:
@@ -154,7 +154,7 @@ class EngineLifecycle:
                 )
                 for worker, (start, end) in enumerate(cfg.worker_row_ranges(self._num_envs))
             ]
-        self._supervisor = WorkerSupervisor(
+        supervisor = self._supervisor = WorkerSupervisor(
             ctx,
             shared.channel,
             is_closing=shared.close_flag.is_set,
@@ -164,7 +164,12 @@ class EngineLifecycle:
             on_exit=shared.progress.notify,  # a silent death wakes the owner's waits at once
         )
         _running_engines.add(self)
-        self._supervisor.start(specs)
+        supervisor.start(specs)
+        if self._supervisor is not supervisor:
+            # a stop() from another thread gave up waiting for this launch (initialization_timeout) and
+            # cleaned up before it ended: the workers launched since are this thread's to end
+            supervisor.shutdown(self._workers_exit_s())
+            raise RuntimeError("OnlineDataEngine.start() was cancelled by stop().")
         shared.request_generation(self.cfg.initialization_timeout)
 
     def _wait_for_initial_fill(self) -> None:
@@ -241,7 +246,8 @@ class EngineLifecycle:
 
     # -- stop ----------------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the producers (idempotent, bounded by ``shutdown_timeout`` plus terminate/kill).
+        """Stop the producers (idempotent, bounded by ``shutdown_timeout`` plus terminate/kill; from another
+        thread while ``start()`` launches the workers, after that launch, up to ``initialization_timeout``).
 
         Raises:
             Exception: a producer's error, including one raised by a source's ``close()``.
@@ -275,12 +281,14 @@ class EngineLifecycle:
                 self._shared.wake_all()
                 self._shared.progress.notify()  # start() sleeps on it: it sees the cancellation at once
                 # the start's own bounded shutdown (with a wait for an ingest inside ray.init), and more;
-                # the start's launch first, however long (the fork server's first start imports torch):
-                # a cleanup here beside it found no workers yet, and the ones launched after were nobody's
+                # the start's launch first, up to initialization_timeout (the fork server's first start
+                # imports torch): a cleanup here beside it found no workers yet, and the ones launched
+                # after were nobody's
                 limit = self._workers_exit_s() + self._ray_join_bound_s() + _START_ABORT_SLACK_S
+                launch_ends = time.monotonic() + self.cfg.initialization_timeout
                 launched = not self._launching  # for a whole wait: the start's cleanup had all of it
                 while not self._lifecycle.wait_for(lambda: self.state is not State.STARTING, timeout=limit):
-                    if launched:
+                    if launched or time.monotonic() >= launch_ends:
                         break
                     launched = not self._launching
                 if self.state is State.STOPPED:

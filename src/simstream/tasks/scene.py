@@ -95,9 +95,12 @@ class TabletopScene:
         self.data.ctrl[:7] = np.clip(action[:7], self.joint_low, self.joint_high)
         self.data.ctrl[7] = MAX_OPENING * float(np.clip(action[7], 0.0, 1.0))
         mujoco.mj_step(self.model, self.data, nstep=self.n_substeps)
-        # mj_step computes positions before it integrates: without this, the tool, the cubes and every
+        # mj_step computes positions before it integrates: without these, the tool, the cubes and every
         # camera frame read after the step were one 2-ms sub-step older than the joints beside them
+        # (mj_kinematics moves the bodies; mj_comPos and mj_camlight the cameras, the wrist's with them)
         mujoco.mj_kinematics(self.model, self.data)
+        mujoco.mj_comPos(self.model, self.data)
+        mujoco.mj_camlight(self.model, self.data)
 
     # ------------------------------------------------------------------ reading the physics by name
     def arm_q(self) -> np.ndarray:

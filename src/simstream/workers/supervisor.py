@@ -164,7 +164,9 @@ def _owner_exit_fd() -> int | None:
         os.close(write)
     except OSError:
         return owner.sentinel
-    if select.select([owner.sentinel], [], [], 0)[0]:  # gone before the pidfd, its pid maybe reused
+    gone = select.poll()  # not select(): a descriptor number past 1023 is out of its range
+    gone.register(owner.sentinel, select.POLLIN)
+    if gone.poll(0):  # gone before the pidfd, its pid maybe reused
         os.close(fd)
         fd, write = os.pipe()
         os.close(write)
@@ -360,10 +362,17 @@ class WorkerSupervisor:
                 process = self._processes.get(label)
                 if process is None:
                     return self._final_exitcodes[label]
-                process.join(max(0.0, min(_JOIN_SLICE_S, deadline - began)))
-                code = process.exitcode
-            if code is not None or time.monotonic() >= deadline:
-                return code
+                code = process.exitcode  # a non-blocking waitpid
+                if code is not None or began >= deadline:
+                    return code
+                # waited on outside the lock, through a copy a shutdown cannot close: joining under it,
+                # this thread took it back at once after every slice, and dead_workers() (get_stats(), a
+                # sampler's liveness check) waited for the whole stop
+                exit_signal = os.dup(self._exit_signal(label, process))
+            try:
+                wait_for_sentinels([exit_signal], timeout=max(0.0, min(_JOIN_SLICE_S, deadline - began)))
+            finally:
+                os.close(exit_signal)
             _wait_out_slice(began, deadline)
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
@@ -511,10 +520,11 @@ class WorkerSupervisor:
                 self._exit_signals.clear()
                 self._exits = select.poll()  # closed sentinels' numbers may be reused
                 self._exit_read.clear()
-                for fd in pidfds:  # first: a process left open by an interrupt is closed when collected
-                    os.close(fd)
-                for process in processes:
-                    process.close()
+                with ctrl_c_deferred():  # a Ctrl-C between two closes would leak the rest
+                    for fd in pidfds:
+                        os.close(fd)
+                    for process in processes:
+                        process.close()
         return report
 
     def _kill_survivors_of_a_dead_fork_server(self, report: ShutdownReport) -> None:
