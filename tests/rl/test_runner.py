@@ -369,6 +369,16 @@ def test_runs_with_neighbouring_seeds_start_no_environment_alike():
     assert torch.equal(starts(0), first)  # and each seed's are reproducible
 
 
+def _learn_once_interrupted(runner, monkeypatch, owner, name: str, interrupting) -> None:
+    """One ``learn()`` with ``owner.name`` replaced by ``interrupting(original)`` (which raises
+    ``KeyboardInterrupt``), then the original put back."""
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, interrupting(original))
+    with pytest.raises(KeyboardInterrupt):
+        runner.learn(1, log_dir=None)
+    monkeypatch.setattr(owner, name, original)
+
+
 def test_a_serial_rollout_committed_when_a_ctrl_c_lands_is_trained_on_next_not_kept_behind(monkeypatch):
     """A Ctrl-C after the serial collector committed its rollout, before the learner took it, left it
     READY: every later iteration collected a new rollout and trained on the one before (policy lag 1 for
@@ -377,16 +387,15 @@ def test_a_serial_rollout_committed_when_a_ctrl_c_lands_is_trained_on_next_not_k
 
     with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(2, log_dir=None)
-        commit = RolloutRing.commit
 
-        def commit_then_ctrl_c(ring, slot, version):
-            commit(ring, slot, version)
-            raise KeyboardInterrupt
+        def commit_then_ctrl_c(commit):
+            def replacement(ring, slot, version):
+                commit(ring, slot, version)
+                raise KeyboardInterrupt
 
-        monkeypatch.setattr(RolloutRing, "commit", commit_then_ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
-            runner.learn(1, log_dir=None)
-        monkeypatch.setattr(RolloutRing, "commit", commit)
+            return replacement
+
+        _learn_once_interrupted(runner, monkeypatch, RolloutRing, "commit", commit_then_ctrl_c)
         runner.learn(4, log_dir=None)
         assert runner.ring.states() == [FREE] * runner.config.num_slots
     lags = [row["rl/policy_lag"] for row in runner.history]
@@ -401,18 +410,17 @@ def test_a_ctrl_c_inside_the_serial_collector_s_weight_copy_leaves_no_mixed_poli
 
     with APPORunner(_tiny(mode="serial")) as runner:
         runner.learn(2, log_dir=None)
-        unpack = collector_module.unpack_policy
 
-        def copy_cut_short(vector, model, normalizer):
-            first = next(model.parameters())
-            with torch.no_grad():
-                first.copy_(vector[: first.numel()].view_as(first))
-            raise KeyboardInterrupt
+        def copy_cut_short(_unpack):
+            def replacement(vector, model, normalizer):
+                first = next(model.parameters())
+                with torch.no_grad():
+                    first.copy_(vector[: first.numel()].view_as(first))
+                raise KeyboardInterrupt
 
-        monkeypatch.setattr(collector_module, "unpack_policy", copy_cut_short)
-        with pytest.raises(KeyboardInterrupt):
-            runner.learn(1, log_dir=None)
-        monkeypatch.setattr(collector_module, "unpack_policy", unpack)
+            return replacement
+
+        _learn_once_interrupted(runner, monkeypatch, collector_module, "unpack_policy", copy_cut_short)
         runner.learn(2, log_dir=None)
     assert [row["vtrace/rho_clip_fraction"] for row in runner.history] == [0.0] * 4
 
