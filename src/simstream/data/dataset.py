@@ -250,7 +250,7 @@ class OnlineDataset(IterableDataset):
         first = items[0] if items else None
         if first is not None and not isinstance(first, TensorDictBase):
             return default_collate(items)
-        if not isinstance(first, TensorDictBase) or not _tensors_only(first):
+        if first is None or not _tensors_only(first):
             return torch.stack(items)  # stack(out=) keeps only the keys ``out`` has: non-tensors would go
         keys = list(first.keys(include_nested=True))
         if any(list(item.keys(include_nested=True)) != keys for item in items[1:]):

@@ -374,15 +374,7 @@ def _check_video_length(path: Path, uses: list[tuple[float, dict[str, Any]]], fp
     """Refuse a video that ends before the last frame an episode needs of it (``uses``: each episode's
     ``from_timestamp`` and metadata row), read from its header: found here, not when a producer first
     draws the episode. A video whose header gives no duration is checked frame by frame when read."""
-    import av
-
-    try:
-        container = av.open(str(path))
-    except av.error.FFmpegError as error:
-        raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
-    with container:
-        if not container.streams.video:
-            raise LeRobotFormatError(f"{path}: holds no video stream")
+    with _open_video(path) as container:
         stream = container.streams.video[0]
         if stream.duration is None or stream.time_base is None:
             return
@@ -395,6 +387,20 @@ def _check_video_length(path: Path, uses: list[tuple[float, dict[str, Any]]], fp
             f"{needed_s:.6f} s (from_timestamp {start:g} s + {int(ep['length'])} frames at {fps:g} fps): "
             "the video is shorter than the episodes that refer to it (truncated, or re-encoded?)"
         )
+
+
+def _open_video(path: Path) -> Any:
+    """``path`` opened with PyAV (a container holding a video stream); closed again on failure."""
+    import av
+
+    try:
+        container = av.open(str(path))
+    except av.error.FFmpegError as error:
+        raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
+    if not container.streams.video:
+        container.close()
+        raise LeRobotFormatError(f"{path}: holds no video stream")
+    return container
 
 
 @dataclass
@@ -563,21 +569,13 @@ class EpisodeReader:
         return EpisodeFrames(frames, task_index, **extra)
 
     def _decode(self, ep: dict[str, Any], feature: Feature, length: int) -> np.ndarray:
-        import av
 
         path = self.meta.video_path(ep, feature.key)
         container = self._containers.get(path)
         if container is None:
             if not path.is_file():
                 raise LeRobotFormatError(f"{path}: missing (episode {ep['episode_index']} refers to it)")
-            try:
-                container = av.open(str(path))
-            except av.error.FFmpegError as error:
-                raise LeRobotFormatError(f"{path}: not a readable video ({error})") from error
-            if not container.streams.video:
-                container.close()
-                raise LeRobotFormatError(f"{path}: holds no video stream")
-            self._containers[path] = container
+            container = self._containers[path] = _open_video(path)
             while len(self._containers) > self._open_videos:
                 self._containers.popitem(last=False)[1].close()
         else:

@@ -190,7 +190,8 @@ class ArenaPool:
 
     @staticmethod
     def _is_free(arena: _Arena) -> bool:
-        return not arena.storage.is_shared() and arena.snapshot() == (arena.baseline, arena.py_baseline)
+        """Nobody else references it (a shared arena was dropped before this is asked)."""
+        return arena.snapshot() == (arena.baseline, arena.py_baseline)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 _MONITOR_STOP_S = 1.0
 """How long a shutdown waits for the monitor thread to stop."""
 _JOIN_SLICE_S = 0.05
-"""How long a stop holds the status lock per wait for a worker (see ``WorkerSupervisor._join_all``)."""
+"""Longest single wait of a stop for a worker's exit, between two reads of its status (see
+``WorkerSupervisor.wait_exited``)."""
 
 
 def worker_entry(
@@ -159,15 +160,16 @@ def _owner_exit_fd() -> int | None:
         return owner.sentinel
     try:
         fd = os.pidfd_open(owner.pid)
-    except ProcessLookupError:  # gone already: a pipe whose write end is closed reads as EOF for ever
-        fd, write = os.pipe()
-        os.close(write)
+    except ProcessLookupError:
+        fd = None
     except OSError:
         return owner.sentinel
     gone = select.poll()  # not select(): a descriptor number past 1023 is out of its range
     gone.register(owner.sentinel, select.POLLIN)
-    if gone.poll(0):  # gone before the pidfd, its pid maybe reused
+    if fd is not None and gone.poll(0):  # gone before the pidfd, its pid maybe reused
         os.close(fd)
+        fd = None
+    if fd is None:  # gone already: a pipe whose write end is closed reads as EOF for ever
         fd, write = os.pipe()
         os.close(write)
     _owner_exit = (os.getpid(), fd)
@@ -356,6 +358,7 @@ class WorkerSupervisor:
             KeyError: no worker ``label`` was started.
         """
         deadline = time.monotonic() + timeout_s
+        signalled = False
         while True:
             began = time.monotonic()
             with self._status_lock:  # a shutdown closes the processes under it
@@ -370,10 +373,16 @@ class WorkerSupervisor:
                 # sampler's liveness check) waited for the whole stop
                 exit_signal = os.dup(self._exit_signal(label, process))
             try:
-                wait_for_sentinels([exit_signal], timeout=max(0.0, min(_JOIN_SLICE_S, deadline - began)))
+                up = bool(
+                    wait_for_sentinels([exit_signal], timeout=max(0.0, min(_JOIN_SLICE_S, deadline - began)))
+                )
             finally:
                 os.close(exit_signal)
-            _wait_out_slice(began, deadline)
+            if up and signalled:
+                # up twice, and no status between: reaped elsewhere (SIGCHLD ignored, ``os.wait()``); the
+                # rest of the slice keeps this loop from spinning (once up, the status is read at once)
+                _wait_out_slice(began, deadline)
+            signalled = up
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every worker, then the monitor thread."""
@@ -543,9 +552,9 @@ class WorkerSupervisor:
                 report.still_alive.append(label)
 
     def _join_all(self, labels: list[str], timeout_s: float) -> None:
-        """Join workers ``labels`` within ``timeout_s`` together (:meth:`wait_exited` holds the status lock
-        only for short slices, so :meth:`dead_workers`, as in ``get_stats()`` or a sampling thread's
-        liveness check, waits at most one slice while a stop waits for its workers)."""
+        """Join workers ``labels`` within ``timeout_s`` together (:meth:`wait_exited` takes the status lock
+        only to read a status, so :meth:`dead_workers`, as in ``get_stats()`` or a sampling thread's
+        liveness check, answers while a stop waits for its workers)."""
         deadline = time.monotonic() + timeout_s
         for label in labels:
             self.wait_exited(label, max(0.0, deadline - time.monotonic()))
@@ -562,8 +571,8 @@ class WorkerSupervisor:
 
 
 def _wait_out_slice(began: float, deadline: float) -> None:
-    """Wait out the rest of a join slice begun at ``began``: a join that returned early without a status
-    (a worker reaped elsewhere: SIGCHLD ignored, ``os.wait()``) would make its loop a busy one."""
+    """Wait out the rest of a join slice begun at ``began``: an exit signal that is up without a status (a
+    worker reaped elsewhere: SIGCHLD ignored, ``os.wait()``) would make its loop a busy one."""
     rest = began + min(_JOIN_SLICE_S, deadline - began) - time.monotonic()
     if rest > 0:
         threading.Event().wait(rest)
