@@ -165,7 +165,7 @@ def test_a_stop_during_a_slow_launch_waits_for_it_and_leaves_no_worker_behind(mo
     import simstream.engine.lifecycle as lifecycle
     from simstream.workers.supervisor import WorkerSupervisor
 
-    monkeypatch.setattr(lifecycle, "_START_ABORT_SLACK_S", 0.1)  # stop()'s wait ends in 0.6 s
+    monkeypatch.setattr(lifecycle, "_START_ABORT_SLACK_S", 0.1)  # stop()'s wait ends in 3.1 s
     launching, release = threading.Event(), threading.Event()
     real_start = WorkerSupervisor.start
 
@@ -175,13 +175,14 @@ def test_a_stop_during_a_slow_launch_waits_for_it_and_leaves_no_worker_behind(mo
         return real_start(self, specs)
 
     monkeypatch.setattr(WorkerSupervisor, "start", slow_start)
-    engine = OnlineDataEngine(make_cfg(shutdown_timeout=0.5))
+    # time for a just-launched producer to see the stop on a loaded machine (0.5 s was not: terminated)
+    engine = OnlineDataEngine(make_cfg(shutdown_timeout=3.0))
     starting, errors = _start_in_a_thread(engine)
     stopping = threading.Thread(target=engine.stop)
     try:
         assert launching.wait(60), "start() never launched"
         stopping.start()
-        stopping.join(3.0)  # five times the wait that ended it
+        stopping.join(6.0)  # twice the wait that ended it
         assert stopping.is_alive(), "stop() returned while start() was still launching workers"
     finally:
         release.set()
@@ -211,11 +212,11 @@ def test_a_stop_during_a_launch_that_outlasts_initialization_timeout_returns_and
         launched.extend((self, p.pid) for p in self.processes.values())
 
     monkeypatch.setattr(WorkerSupervisor, "start", wedged_start)
-    engine = OnlineDataEngine(make_cfg(shutdown_timeout=0.5, initialization_timeout=1.0))
+    engine = OnlineDataEngine(make_cfg(shutdown_timeout=3.0, initialization_timeout=1.0))
     starting, errors = _start_in_a_thread(engine)
     try:
         assert launching.wait(60), "start() never launched"
-        engine.stop()  # returns: 1 s for the launch, then 0.6 s for the start's own cleanup
+        engine.stop()  # returns: 1 s for the launch, then 3.1 s for the start's own cleanup
         assert engine.state is OnlineDataEngineState.STOPPED
     finally:
         release.set()
