@@ -83,11 +83,14 @@ writer = DatasetWriter(sys.argv[1], features_from_fields(PatternSpec().fields(),
 if sys.argv[2:] == ["fork"]:  # a DataLoader worker forked by the recording process, outliving it
     import os
 
+    running, running_w = os.pipe()
     child = os.fork()
     if child == 0:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.write(running_w, b"x")  # its at-fork hooks have run (a child not yet scheduled holds the lock)
         sys.stdin.readline()  # until the test closes stdin
         os._exit(0)
+    assert os.read(running, 1) == b"x"
     print("child", child, flush=True)
 print("open", flush=True)
 sys.stdin.readline()
