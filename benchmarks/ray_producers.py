@@ -347,7 +347,8 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         ["payload", "windows per call", "bare loop, engine's actors", "engine", "ratio", "target", "verdict",
          "bare loop, frames only", "ratio to it", "verdict to it", "bare streaming loop, frames only",
          "ratio to it", "verdict to it", "MiB/s", "sim cores absorbed",
-         "CPU us/ep bare (engine's actors / frames only)", "CPU us/ep engine", "CPU ratio (to each)",
+         "CPU us/ep bare (engine's actors / frames only / streaming)", "CPU us/ep engine",
+         "CPU ratio (to each)",
          "sim cores per trainer core"],
     )  # fmt: skip
     for image, per_call in [(image, k) for image in (False, True) for k in args.windows_per_call]:
@@ -374,21 +375,22 @@ def ingest(args: Args, one_core: dict[bool, float], nodes: str, resources: dict)
         bare_rate, frames_rate, stream_rate, engine_eps = (
             statistics.median(r[0] for r in rates) for rates in (bare, frames_only, streamed, engine)
         )
-        bare_cpu, frames_cpu, engine_cpu = (
-            statistics.median(r[1] for r in rates) for rates in (bare, frames_only, engine)
+        bare_cpu, frames_cpu, stream_cpu, engine_cpu = (
+            statistics.median(r[1] for r in rates) for rates in (bare, frames_only, streamed, engine)
         )
         value = ratio(engine_eps, bare_rate)
         frame_bytes = 53 * 4 + (3 * 64 * 64 if image else 0)  # about 70 frames per episode
         mib_s = engine_eps * 70 * frame_bytes / 2**20
         one = one_core.get(image, float("nan"))  # with the camera: a camera core
         payload = "53 floats + 64x64 camera" if image else "53 floats"
-        cpu_ratios = f"{ratio(bare_cpu, engine_cpu):.2f} / {ratio(frames_cpu, engine_cpu):.2f}"
+        cpu_ratios = " / ".join(f"{ratio(cpu, engine_cpu):.2f}" for cpu in (bare_cpu, frames_cpu, stream_cpu))
         table.row(
             payload, per_call, bare_rate, engine_eps, value, 0.80, check(value, 0.80), frames_rate,
             ratio(engine_eps, frames_rate), check(ratio(engine_eps, frames_rate), 0.80), stream_rate,
             ratio(engine_eps, stream_rate), check(ratio(engine_eps, stream_rate), 0.80), mib_s,
             ratio(engine_eps, one),
-            f"{bare_cpu:.0f} / {frames_cpu:.0f}", engine_cpu, cpu_ratios, ratio(ratio(1e6, engine_cpu), one),
+            f"{bare_cpu:.0f} / {frames_cpu:.0f} / {stream_cpu:.0f}", engine_cpu, cpu_ratios,
+            ratio(ratio(1e6, engine_cpu), one),
         )  # fmt: skip
 
 
