@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -561,3 +562,80 @@ def test_workers_end_with_a_killed_trainer(method, tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class _ShutsDownWhenCollected:
+    """A queue's user in a reference cycle whose finalizer sends a last message and closes the queue, as a
+    ``DataLoader`` iterator held by an exception's traceback does."""
+
+    def __init__(self, direct: DirectQueue) -> None:
+        self.direct, self.cycle = direct, self
+
+    def __del__(self) -> None:
+        self.direct.put("last words")
+        self.direct.close()
+
+
+def _read_message(fd: int) -> object:
+    (size,) = struct.unpack("!i", os.read(fd, 4))
+    return ForkingPickler.loads(os.read(fd, size))
+
+
+def test_a_queue_collected_in_a_cycle_stays_usable_for_the_cycles_other_finalizers(monkeypatch):
+    """The collector finalizes a cycle's objects in no particular order; here the queue's pipe ends (made
+    first) come first. A ``Connection``'s finalizer closed its descriptor without marking it closed, so the
+    user's last message went to a closed number (EBADF, an exception ignored in its ``__del__``) and its
+    close closed the numbers again."""
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    direct = loader_context("fork").Queue()
+    spare = os.dup(direct._reader.fileno())  # the reading end of a worker, which lives on
+    numbers = direct._reader.fileno(), direct._writer.fileno()
+    try:
+        _ShutsDownWhenCollected(direct)
+        del direct
+        gc.collect()
+        assert [(hook.exc_type, str(hook.exc_value)) for hook in ignored] == []
+        assert _read_message(spare) == "last words"
+        for number in numbers:  # closed once the collection is over
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.fstat(number)
+    finally:
+        os.close(spare)
+
+
+def test_a_pipe_end_dropped_outside_a_collection_closes_at_once():
+    direct = loader_context("fork").Queue()
+    numbers = direct._reader.fileno(), direct._writer.fileno()
+    del direct  # no cycle: freed here, by its reference count
+    for number in numbers:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(number)
+
+
+def test_a_loader_collected_with_its_error_tells_its_workers_to_exit(monkeypatch):
+    """The iterator held by the error's traceback is collected with its queues, in whatever order the
+    collector takes them (Python 3.11's full collection lists younger generations after the oldest, so
+    a queue's pipe ends can come before their older iterator, as they did in CI): its shutdown reaches
+    the workers, which exit on its message instead of being terminated after a 5-s join."""
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+
+    def fail(batch):
+        raise ValueError("transform failed in the worker")
+
+    with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
+        loader = OnlineDataset(engine, chunk_size=2, batch_size=4, transform=fail).loader(
+            num_workers=2, multiprocessing_context="fork", timeout=60
+        )
+        iterator = iter(loader)
+        workers = list(iterator._workers)
+        try:
+            next(iterator)
+        except ValueError as error:
+            caught = error  # its traceback holds the iterator
+        assert "transform failed in the worker" in str(caught)
+        del iterator, loader, caught
+        gc.collect()
+    assert [(hook.exc_type, str(hook.exc_value)) for hook in ignored] == []
+    assert [worker.exitcode for worker in workers] == [0, 0]  # exited on the message, not terminated

@@ -20,7 +20,9 @@ wake-up message at shutdown cannot wait behind a worker that nobody reads any mo
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
+import gc
 import math
 import mmap
 import multiprocessing
@@ -30,7 +32,7 @@ import struct
 import termios
 import threading
 import time
-from multiprocessing import connection, util
+from multiprocessing import connection, reduction, util
 from multiprocessing.context import BaseContext, assert_spawning
 from multiprocessing.reduction import ForkingPickler
 from queue import Empty
@@ -50,6 +52,58 @@ _CLOSE_WAIT_S = 5.0
 """Longest wait of ``close()`` for this process's feeder thread to write its backlog."""
 
 
+class _PipeEnd(connection.Connection):
+    """One end of a :class:`DirectQueue`'s pipe: a ``Connection`` that, collected as part of a reference
+    cycle, stays open until the collection is over.
+
+    A ``DataLoader`` iterator held by an exception's traceback is such a cycle, with its queues in it. The
+    collector finalizes a cycle's objects in no particular order, and a ``Connection``'s finalizer closes
+    its descriptor without marking it closed: when the iterator's finalizer ran second, its shutdown put
+    ``None`` into a closed descriptor (``OSError: [Errno 9] Bad file descriptor``, reported as an exception
+    ignored in ``_MultiProcessingDataLoaderIter.__del__``; the workers, which exit on that message, were
+    then terminated) and closed the numbers again, which by then could belong to other files.
+    """
+
+    def __del__(self) -> None:
+        if self._handle is None:
+            return
+        pending = _close_after_collection  # None late in the interpreter's shutdown
+        if _collecting and pending is not None:
+            pending.append(self)  # kept alive until every finalizer of the cycle has run
+        else:
+            self.close()
+
+
+_collecting = False
+"""Whether the cyclic garbage collector is running (set by :func:`_note_collection`)."""
+_close_after_collection: list[_PipeEnd] = []
+"""Pipe ends finalized during the running collection, closed when it ends."""
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+    if phase == "stop":
+        while _close_after_collection:
+            with contextlib.suppress(OSError):
+                _close_after_collection.pop().close()
+
+
+gc.callbacks.append(_note_collection)
+
+
+def _rebuild_pipe_end(duplicate, readable: bool, writable: bool) -> _PipeEnd:
+    return _PipeEnd(duplicate.detach(), readable, writable)
+
+
+def _reduce_pipe_end(end: _PipeEnd):
+    """Sent to a child as ``multiprocessing`` sends a ``Connection``, rebuilt as a :class:`_PipeEnd`."""
+    return _rebuild_pipe_end, (reduction.DupFd(end.fileno()), end.readable, end.writable)
+
+
+reduction.register(_PipeEnd, _reduce_pipe_end)
+
+
 class DirectQueue:
     """A process-shared FIFO queue without a feeder thread: ``put`` pickles and writes in the caller.
 
@@ -58,7 +112,8 @@ class DirectQueue:
     """
 
     def __init__(self, context: BaseContext) -> None:
-        self._reader, self._writer = connection.Pipe(duplex=False)
+        read, write = os.pipe()
+        self._reader, self._writer = _PipeEnd(read, writable=False), _PipeEnd(write, readable=False)
         self._read_lock = context.Lock()
         self._write_lock = context.Lock()
         self._closed = False
