@@ -147,6 +147,57 @@ def test_load_checkpoint_of_a_directory_on_a_live_runner_changes_nothing(tmp_pat
         runner.close()
 
 
+def _corrupted(good: dict, entry: str) -> dict:
+    """``good`` with new model weights and one entry broken, the way a hand-edited or truncated file has."""
+    state = {**good, "learner": dict(good["learner"])}
+    state["learner"]["model"] = {name: value + 1 for name, value in good["learner"]["model"].items()}
+    if entry == "target_normalizer":
+        state["learner"]["target_normalizer"] = {"bogus": 1}
+    elif entry == "optimizer":
+        del state["learner"]["optimizer"]
+    else:
+        state[entry] = "x"
+    return state
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            "target_normalizer",
+            "its learner state cannot be restored (KeyError: 'mean'); the runner is unchanged",
+        ),
+        (
+            "optimizer",
+            "its learner state cannot be restored (KeyError: 'optimizer'); the runner is unchanged",
+        ),
+        ("policy_version", "its policy_version is not an integer ('x')"),
+        ("env_frames", "its env_frames is not an integer ('x')"),
+    ],
+)
+def test_a_checkpoint_that_fails_half_way_leaves_the_runner_as_it_was(tmp_path, entry, message):
+    """The learner's parts were restored one after another and the counters converted after them: a bad
+    entry raised a KeyError or a bare int() error with the model already replaced, beside the old
+    counters (a policy no version described)."""
+    runner = APPORunner(_tiny(mode="serial"))
+    try:
+        runner.learn(1, log_dir=None)
+        good = torch.load(runner.save_checkpoint(str(tmp_path / "good.pt")), weights_only=True)
+        before = {name: value.clone() for name, value in runner.learner.state_dict()["model"].items()}
+        counts = runner.policy_version, runner.iterations_done, runner.trained_frames
+        bad = tmp_path / "bad.pt"
+        torch.save(_corrupted(good, entry), bad)
+        with pytest.raises(ValueError, match=re.escape(f"{bad}: {message}")):
+            runner.load_checkpoint(str(bad))
+        after = runner.learner.state_dict()
+        assert all(torch.equal(after["model"][name], value) for name, value in before.items())
+        assert (runner.policy_version, runner.iterations_done, runner.trained_frames) == counts
+        assert after["optimizer"]["state"] and after["updates"] == good["learner"]["updates"]
+        runner.learn(1, log_dir=None)  # and it trains on
+    finally:
+        runner.close()
+
+
 # ------------------------------------------------------------------------ WeightBuffer / RolloutRing
 @pytest.mark.parametrize("size", [0, -3, 2.5, "4"])
 def test_weight_buffer_refuses_an_empty_size(size):

@@ -16,6 +16,7 @@ import torch
 
 from simstream._runs import FOLDER_NAME_RULE
 from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, RunnerConfig
+from simstream.rl.ring import READY
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
 from tests.support.processes import wait_for_exit
@@ -168,6 +169,29 @@ def test_a_lock_step_rollout_older_than_the_lag_cap_after_a_load_checkpoint_is_t
         assert runner.policy_version == 2
         summary = runner.learn(1, log_dir=None)
     assert summary["status"] == "completed" and summary["dropped_stale"] == 0
+
+
+@pytest.mark.parametrize("weight_refresh", ["step", "rollout"])
+def test_sync_mode_drops_a_rollout_of_replaced_weights_after_a_load_checkpoint_and_stays_at_lag_0(
+    weight_refresh, tmp_path
+):
+    """The collector had committed its next rollout (version 1) and waited for version 2; the load
+    published the checkpoint's weights as version 2, so the collector made a rollout with them while the
+    old one was still queued. Trained on, the old one kept the collector a rollout ahead: every later
+    update trained at lag 1."""
+    cfg = _tiny(mode="sync", weight_refresh=weight_refresh, runner=RunnerConfig(shutdown_timeout_s=10.0))
+    with APPORunner(cfg) as runner:
+        runner.learn(1, log_dir=None)
+        path = runner.save_checkpoint(str(tmp_path / "model.pt"))
+        deadline = time.monotonic() + 60
+        while READY not in runner.ring.states():  # the collector waits for version 2
+            assert time.monotonic() < deadline, "the collector committed no next rollout"
+            threading.Event().wait(0.001)
+        runner.load_checkpoint(path)
+        assert runner.policy_version == 2
+        summary = runner.learn(3, log_dir=None)
+    assert summary["status"] == "completed" and summary["dropped_stale"] == 1
+    assert [row["rl/policy_lag_max"] for row in runner.history[1:]] == [0.0, 0.0, 0.0]
 
 
 def test_async_drop_oldest_keeps_the_collector_running():

@@ -354,13 +354,18 @@ class APPORunner(AsyncRunner):
         # trained on, so a rollout dropped there (one that straddled a load_checkpoint) stalled both sides
         capped = cfg.max_policy_lag is not None and cfg.mode == "async"
         min_version = self.policy_version - cfg.max_policy_lag if capped else None
+        # sync mode, after a load_checkpoint: a rollout made wholly with the replaced weights is dropped
+        # (trained on, it kept the collector a rollout ahead, at lag 1 for the rest of the run; its
+        # collector already waits for a version older than the current one). One that took the loaded
+        # weights mid-way is trained on: its collector waits for a version only this update publishes.
+        newest_at_least = self.policy_version if cfg.mode == "sync" else None
 
         def poll(slice_s: float) -> tuple | None:
             # Taking slots, copying them out, giving them back and keeping the batch until its update are
             # one step for a Ctrl-C (it lands before or after; the copy takes milliseconds): landing in
             # between, it lost the rollout, and a sync collector then waited forever for a newer version.
             with ctrl_c_deferred():
-                taken = ring.take(max_count, min_version, check=self.check_collector)
+                taken = ring.take(max_count, min_version, self.check_collector, newest_at_least)
                 if taken:
                     try:
                         data = ring.gather(taken)
@@ -440,7 +445,9 @@ class APPORunner(AsyncRunner):
         """Restore a :meth:`save_checkpoint` file, target network included; the collector gets the weights.
 
         On a runner whose collector already runs, the restored weights get the next policy version, not
-        the saved one: versions only increase, or a sync collector would wait for a newer one forever.
+        the saved one: versions only increase, or a sync collector would wait for a newer one forever. In
+        sync mode the next update drops a rollout made wholly with the replaced weights (``dropped_stale``)
+        and trains on one made with the restored weights, at lag 0.
 
         Raises:
             ValueError: ``path`` is not a checkpoint of this runner, or was trained on another ``env_id``,
@@ -478,16 +485,28 @@ class APPORunner(AsyncRunner):
                     f"{name}={current!r} (the learner would restore the checkpoint's, the collector build "
                     "this one's): pass the checkpoint's value"
                 )
+        counts = {}
+        for key in ("policy_version", "iterations", "trained_frames", "env_frames"):
+            try:
+                counts[key] = int(state[key])
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{path}: its {key} is not an integer ({state[key]!r})") from error
         # all or nothing for a Ctrl-C: a publish cut short left the collector a half-written policy (it
         # gave up reading it after 5 s and died), a load cut short a model no counter described
         with ctrl_c_deferred():
-            self.learner.load_state_dict(state["learner"])
-            restored = int(state["policy_version"])
+            try:
+                self.learner.load_state_dict(state["learner"])  # all or nothing too
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:
+                raise ValueError(
+                    f"{path}: its learner state cannot be restored ({type(error).__name__}: {error}); "
+                    "the runner is unchanged"
+                ) from error
+            restored = counts["policy_version"]
             self.policy_version = restored if self.weights is None else max(restored, self.policy_version + 1)
-            self.iterations_done = int(state["iterations"])
-            self.trained_frames = int(state["trained_frames"])
+            self.iterations_done = counts["iterations"]
+            self.trained_frames = counts["trained_frames"]
             committed = 0 if self.ring is None else self.ring.stats().committed
-            self._frames_before = int(state["env_frames"]) - committed * self.config.frames_per_rollout
+            self._frames_before = counts["env_frames"] - committed * self.config.frames_per_rollout
             if self.weights is not None:
                 self.weights.publish(self.learner.snapshot(), self.policy_version)
 

@@ -209,19 +209,29 @@ class APPOLearner:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output, all or nothing: on any error (a missing or malformed entry)
+        the learner is left as it was and the error is raised."""
         shuffle = state.get("shuffle")  # checkpoints before it was saved resume with the seed's sequence
         if shuffle is not None:
             # a checkpoint mapped to the learner's device (cuda) moved the generator's state there, which
             # set_state refuses: on the CPU, and checked before anything is restored (no half-restored runner)
             shuffle = shuffle.cpu()
             torch.Generator().set_state(shuffle)
+        previous = copy.deepcopy(self.state_dict())
+        try:
+            self._restore(state, shuffle)
+        except BaseException:
+            self._restore(previous, previous["shuffle"])
+            raise
+
+    def _restore(self, state: dict, shuffle: torch.Tensor | None) -> None:
+        learning_rate, updates = float(state["learning_rate"]), int(state["updates"])
         self.model.load_state_dict(state["model"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.normalizer.load_state_dict(state["normalizer"])
         self.target_normalizer.load_state_dict(state.get("target_normalizer", state["normalizer"]))
-        self.learning_rate = float(state["learning_rate"])
-        self.updates = int(state["updates"])
+        self.learning_rate, self.updates = learning_rate, updates
         if shuffle is not None:
             self._shuffle.set_state(shuffle)
         for group in self.optimizer.param_groups:

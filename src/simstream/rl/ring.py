@@ -178,11 +178,17 @@ class RolloutRing:
 
     # ----------------------------------------------------------------- reader (learner)
     def take(
-        self, max_count: int, min_version: int | None = None, check: Callable[[], None] | None = None
+        self,
+        max_count: int,
+        min_version: int | None = None,
+        check: Callable[[], None] | None = None,
+        newest_at_least: int | None = None,
     ) -> list[TakenSlot]:
         """Hold up to ``max_count`` READY slots, oldest first (non-blocking but for the lock).
 
-        READY slots produced by a policy older than ``min_version`` are freed and counted as stale.
+        READY slots produced by a policy older than ``min_version`` (their oldest step's version below it),
+        or wholly by policies older than ``newest_at_least`` (their newest step's version below it), are
+        freed and counted as stale.
         ``check`` runs while the writer holds the lock and ends the wait by raising (the runner's check
         of its collector: one stopped holding the lock is a hang, raised before the lock's own 5 s).
         """
@@ -193,7 +199,9 @@ class RolloutRing:
             ready.sort(key=lambda s: int(self._meta[s, _SEQ]))
             for slot in ready:
                 version = int(self._meta[slot, _VERSION])
-                if min_version is not None and version < min_version:
+                if (min_version is not None and version < min_version) or (
+                    newest_at_least is not None and int(self.data["versions"][slot].max()) < newest_at_least
+                ):
                     self._meta[slot, _STATE] = FREE
                     self._counters[_DROPPED_STALE] += 1
                     freed += 1
