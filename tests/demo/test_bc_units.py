@@ -311,6 +311,37 @@ def test_closed_loop_evaluation_sends_the_env_a_binary_gripper(monkeypatch, thre
         assert set(sent) <= expected
 
 
+def test_evaluation_gives_the_policy_back_in_the_mode_it_had():
+    """It left the policy in eval mode: a training loop that evaluated now and then trained on without
+    what training mode switches on (a vision policy's random shift, dropout)."""
+    torch.manual_seed(0)
+    policy = ChunkPolicy(PolicyConfig(history=2, horizon=4, hidden=16, layers=1, text_dim=8))
+    rollout = RolloutConfig(max_episode_steps=2)
+    seen: list[bool] = []
+    act = policy.act
+
+    def recording_act(*args, **kwargs):
+        seen.append(policy.training)
+        return act(*args, **kwargs)
+
+    policy.act = recording_act
+    for training in (True, False):
+        policy.train(training)
+        evaluate_policy(policy, HashedTextEmbedding(8), "pick_place", eval_seeds(1), rollout)
+        assert policy.training is training
+    assert seen and not any(seen)  # every action came from eval mode
+
+    def interrupt(finished: int) -> None:
+        raise KeyboardInterrupt  # a Ctrl-C while it runs
+
+    policy.train()
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_policy(
+            policy, HashedTextEmbedding(8), "pick_place", eval_seeds(1), rollout, on_step=interrupt
+        )
+    assert policy.training
+
+
 def test_evaluation_runs_many_seeds_in_bounded_groups_with_the_same_results(monkeypatch):
     """Seeds beyond ``max_parallel`` run in later groups: never more simulators open than that, and the
     episodes, their order, the recorded videos and the progress count are those of one lockstep run."""

@@ -213,8 +213,8 @@ def evaluate_policy(
     """Run ``policy`` closed-loop in one episode per seed of ``task``; up to ``max_parallel`` in lockstep.
 
     Args:
-        policy: A fitted :class:`ChunkPolicy` or :class:`VisionPolicy` (set to eval mode here; it runs on
-            the device its weights are on).
+        policy: A fitted :class:`ChunkPolicy` or :class:`VisionPolicy` (in eval mode while it runs, then
+            back in the mode it had; it runs on the device its weights are on).
         embedding: The text embedding the policy was trained with.
         task: A built-in task name.
         seeds: ``TaskEnv.reset`` seeds, one episode each.
@@ -238,21 +238,26 @@ def evaluate_policy(
     require_int("evaluate_policy", "max_parallel", max_parallel, 1)
     require_int("evaluate_policy", "record", record, 0)
     get_task(task)  # an unknown name fails before a simulator is built
+    # the caller's mode comes back: a training loop that evaluates lost a vision policy's random shift
+    training = policy.training
     policy.eval()
-    result = EvalResult(seeds=list(seeds), successes=[], lengths=[], instructions=[])
-    for start in range(0, len(result.seeds), max_parallel):
-        group = result.seeds[start : start + max_parallel]
-        part = _evaluate_group(
-            policy, embedding, task, group, rollout,
-            record=max(0, min(record - start, len(group))), image_size=image_size,
-            keep_strips=keep_strips and len(result.strips) < 2, on_step=on_step,
-        )  # fmt: skip
-        result.successes += part.successes
-        result.lengths += part.lengths
-        result.instructions += part.instructions
-        result.frames += part.frames
-        for outcome, strip in part.strips.items():
-            result.strips.setdefault(outcome, strip)
+    try:
+        result = EvalResult(seeds=list(seeds), successes=[], lengths=[], instructions=[])
+        for start in range(0, len(result.seeds), max_parallel):
+            group = result.seeds[start : start + max_parallel]
+            part = _evaluate_group(
+                policy, embedding, task, group, rollout,
+                record=max(0, min(record - start, len(group))), image_size=image_size,
+                keep_strips=keep_strips and len(result.strips) < 2, on_step=on_step,
+            )  # fmt: skip
+            result.successes += part.successes
+            result.lengths += part.lengths
+            result.instructions += part.instructions
+            result.frames += part.frames
+            for outcome, strip in part.strips.items():
+                result.strips.setdefault(outcome, strip)
+    finally:
+        policy.train(training)
     return result
 
 
