@@ -140,6 +140,11 @@ def test_eval_rejects_a_missing_checkpoint_with_exit_code_2(tmp_path, capsys):
         (["--max-episode-steps", "50"], "DemoConfig.max_episode_steps must be an int >= 100, got 50"),
         (["--horizon", "500"], "DemoConfig.horizon must be an int in [1, 200], got 500"),
         (["--history", "201"], "DemoConfig.history must be an int in [1, 200], got 201"),
+        (  # accepted, ignored, and recorded in summary.json as applied
+            ["--execute-steps", "3"],
+            "DemoConfig.execute_steps must be 8 (its default) with temporal ensembling (ensemble_decay=0.0), "
+            "which executes one action of every chunk, got 3. Add --ensemble-decay None",
+        ),
         (
             ["--ray-address", "auto"],
             "DemoConfig.ray_address must be None unless backend is 'ray', got 'auto'",
@@ -219,6 +224,23 @@ def test_the_last_of_a_switch_and_its_negation_decides_the_preset(argv, vision, 
         ),
         (["--ensemble-decay", "-1"], "EvalArgs.ensemble_decay must be None or a finite number >= 0, got -1"),
         (["--video", "v.mp4", "--image-size", "33"], "EvalArgs.image_size must be even for an .mp4 video"),
+        # accepted and ignored, and recorded by --json-out as applied
+        (
+            ["--fps", "5"],
+            "EvalArgs.fps must be 20 (its default) without --video: it applies to the video only",
+        ),
+        (["--image-size", "32"], "EvalArgs.image_size must be 160 (its default) without --video"),
+        (["--video-episodes", "3"], "EvalArgs.video_episodes must be 2 (its default) without --video"),
+        (
+            ["--execute-steps", "4", "--ensemble-decay", "0.1"],
+            "EvalArgs.execute_steps must be None with --ensemble-decay (temporal ensembling executes one "
+            "action of every chunk), got 4",
+        ),
+        (  # GIF delays are whole hundredths of a second: 30 fps played at 33, 60 at about 10
+            ["--video", "v.gif", "--fps", "30"],
+            "EvalArgs.fps must be one of 1, 2, 4, 5, 10, 20, 25, 50 for a .gif",
+        ),
+        (["--video", "v.gif", "--fps", "100"], "EvalArgs.fps must be one of 1, 2, 4, 5, 10, 20, 25, 50"),
         (["--video", "{file}/v.gif"], "EvalArgs.video cannot be written: '{file}' is a file, not a folder"),
         (["--json-out", "{file}/r.json"], "EvalArgs.json_out cannot be written: '{file}' is a file"),
         (  # known before the evaluation, whose results would be lost

@@ -178,6 +178,16 @@ class DemoConfig:
             )
         if self.ensemble_decay is None and type(self.execute_steps) is int:  # chunks hold horizon actions
             require_int("DemoConfig", "execute_steps", self.execute_steps, 1, self.horizon)
+        else:  # accepted and ignored, it was recorded in summary.json and the checkpoint as if applied
+            default = type(self).__dataclass_fields__["execute_steps"].default
+            in_range = type(self.execute_steps) is int and self.execute_steps >= 1  # else RolloutConfig's
+            require(
+                not in_range or self.execute_steps == default, "DemoConfig", "execute_steps",
+                f"{default!r} (its default) with temporal ensembling "
+                f"(ensemble_decay={self.ensemble_decay!r}), which executes one action of every chunk",
+                self.execute_steps,
+                "Add --ensemble-decay None for chunk execution, or leave the option out",
+            )  # fmt: skip
         for name in ("refill_threshold", "eval_episodes_during"):
             require_int("DemoConfig", name, getattr(self, name), 0)
         require_int("DemoConfig", "idle_threads", self.idle_threads, 0, MAX_TORCH_THREADS)

@@ -41,9 +41,11 @@ class EvalArgs:
     video_episodes: int = 2
     """Episodes rendered into the video, one after the other."""
     image_size: int = 160
-    """Side of the rendered video frames (front camera); a vision policy's cameras keep their own size."""
+    """Side of the rendered video frames (front camera); a vision policy's own cameras, shown beside it, are
+    scaled to the same height."""
     fps: int = 20
-    """Frames per second of the video (20 = real time)."""
+    """Frames per second of the video (20 = real time); a ``.gif`` takes 1, 2, 4, 5, 10, 20, 25 or 50 (the
+    rates it plays exactly)."""
     execute_steps: int | None = None
     """Override the checkpoint's actions executed per predicted chunk."""
     ensemble_decay: float | None = None
@@ -81,6 +83,14 @@ class EvalArgs:
         require_number("EvalArgs", "ensemble_decay", self.ensemble_decay, 0, optional=True)
         if self.video is not None and self.video.suffix.lower() not in (".gif", ".mp4"):
             raise ValueError(f"EvalArgs.video must end in .gif or .mp4, got {str(self.video)!r}")
+        self._refuse_options_that_would_be_ignored()
+        if self.video is not None and self.video.suffix.lower() == ".gif":
+            require(
+                self.fps in _GIF_RATES, "EvalArgs", "fps",
+                f"one of {', '.join(map(str, _GIF_RATES))} for a .gif (a GIF's frame delays are whole "
+                "hundredths of a second, and viewers show delays under 20 ms as 100 ms)", self.fps,
+                "Other rates played too fast or several times too slow; an .mp4 takes any rate",
+            )  # fmt: skip
         if self.video is not None and self.video.suffix.lower() == ".mp4" and self.image_size % 2:
             raise ValueError(  # libx264 encodes even frame sizes only
                 f"EvalArgs.image_size must be even for an .mp4 video, got {self.image_size}"
@@ -88,6 +98,27 @@ class EvalArgs:
         # known now, not after the episodes ran
         for name in ("video", "json_out"):
             _require_file_path(name, getattr(self, name))
+
+    def _refuse_options_that_would_be_ignored(self) -> None:
+        """Options with no effect in this combination were accepted, and ``--json-out`` recorded them as if
+        applied."""
+        if self.video is None:
+            for name in ("video_episodes", "image_size", "fps"):
+                default = type(self).__dataclass_fields__[name].default
+                require(
+                    getattr(self, name) == default, "EvalArgs", name,
+                    f"{default!r} (its default) without --video: it applies to the video only",
+                    getattr(self, name), "Add --video PATH, or leave the option out",
+                )  # fmt: skip
+        require(
+            self.execute_steps is None or self.ensemble_decay is None, "EvalArgs", "execute_steps",
+            "None with --ensemble-decay (temporal ensembling executes one action of every chunk)",
+            self.execute_steps, "Leave out one of the two",
+        )  # fmt: skip
+
+
+_GIF_RATES = (1, 2, 4, 5, 10, 20, 25, 50)
+"""Frame rates a GIF plays exactly: 100 / fps hundredths of a second per frame, at least 2."""
 
 
 def _require_file_path(name: str, path: Path | None) -> None:
