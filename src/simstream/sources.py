@@ -48,8 +48,19 @@ class Field:
     def __post_init__(self) -> None:
         if not isinstance(self.shape, tuple) or any(type(n) is not int or n < 1 for n in self.shape):
             raise ValueError(f"Field.shape must be a tuple of positive ints, got {self.shape!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"Field.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.dtype not in FIELD_DTYPES:
+            # others failed inside the engine's constructor: sub-byte and quantised types cannot be filled
+            # ("not implemented"), float8 and complex have no unwritten-value check
+            names = ", ".join(str(dtype) for dtype in FIELD_DTYPES)
+            raise ValueError(f"Field.dtype must be one of {names}, got {self.dtype!r}")
+
+
+FIELD_DTYPES = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,  # e.g. depth images
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)  # fmt: skip
+"""The element types a :class:`Field` may have: what the shared buffer stores, samples and checks."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from simstream import DataUnavailableError, Episode, Field, OnlineDataEngine, On
 from simstream.buffer.quota import EpisodeQuota
 from simstream.data import OnlineDataset
 from simstream.sampling.sampler import _MAX_TORN_ROUNDS
+from simstream.sources import FIELD_DTYPES
 from simstream.synthetic import SyntheticSpec
 from tests.support.engines import make_cfg, stop_quietly
 from tests.support.errors import assert_names_the_value
@@ -135,6 +136,9 @@ def test_a_bad_source_allocates_nothing_and_fails_in_the_engine_constructor_too(
 
 
 # ------------------------------------------------------------------------------------------- Field
+_DTYPES = ", ".join(map(str, FIELD_DTYPES))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -143,15 +147,31 @@ def test_a_bad_source_allocates_nothing_and_fails_in_the_engine_constructor_too(
         ({"shape": (True,)}, "Field.shape must be a tuple of positive ints, got (True,)"),
         ({"shape": (3, -1)}, "Field.shape must be a tuple of positive ints, got (3, -1)"),
         ({"shape": 3}, "Field.shape must be a tuple of positive ints, got 3"),
-        ({"dtype": "float32"}, "Field.dtype must be a torch.dtype, got 'float32'"),
-        ({"dtype": float}, "Field.dtype must be a torch.dtype, got <class 'float'>"),
-        ({"dtype": None}, "Field.dtype must be a torch.dtype, got None"),
+        ({"dtype": "float32"}, f"Field.dtype must be one of {_DTYPES}, got 'float32'"),
+        ({"dtype": float}, f"Field.dtype must be one of {_DTYPES}, got <class 'float'>"),
+        ({"dtype": None}, f"Field.dtype must be one of {_DTYPES}, got None"),
+        # dtypes the buffer cannot hold: an engine with one failed in its constructor ("fill_cpu not
+        # implemented", or an internal assertion of torch's)
+        ({"dtype": torch.int4}, f"Field.dtype must be one of {_DTYPES}, got torch.int4"),
+        ({"dtype": torch.qint8}, f"Field.dtype must be one of {_DTYPES}, got torch.qint8"),
+        ({"dtype": torch.complex64}, f"Field.dtype must be one of {_DTYPES}, got torch.complex64"),
     ],
     ids=lambda v: str(v)[:40],
 )
 def test_field_names_the_bad_setting(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Field(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", FIELD_DTYPES, ids=str)
+def test_an_engine_holds_and_serves_a_field_of_every_allowed_dtype(dtype):
+    """Every dtype Field accepts makes a buffer whose rows a producer fills and a batch returns."""
+    spec = ScriptedSpec(extra_fields={"extra": Field((2,), dtype)})  # frame t holds t
+    with OnlineDataEngine(make_cfg(spec, buffer_size=2, num_workers=1, refill_policy="manual")) as engine:
+        batch = engine.sample_batch(4, 3, keys=["extra", "episode_step"])
+        assert batch["extra"].dtype == dtype and batch["extra"].shape == (4, 3, 2)
+        expected = batch["episode_step"].to(dtype).unsqueeze(-1).expand(4, 3, 2)
+        assert torch.equal(batch["extra"], expected)
 
 
 # ------------------------------------------------------------------------------------ SyntheticSpec
