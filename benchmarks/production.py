@@ -17,6 +17,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
+import math
 import multiprocessing as mp
 import sys
 import time
@@ -61,9 +62,13 @@ class Args:
     """Also run the first worker count with ``check_unwritten_frames=False``: the check's cost."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.work_us_per_step, bool) or not 0 <= self.work_us_per_step < math.inf:
+            # 0: a source that costs nothing per step, the engine's own overhead alone (BENCHMARKS.md)
+            raise ValueError(
+                f"--work-us-per-step must be a finite number >= 0, got {self.work_us_per_step!r}"
+            )
         require_positive(
             self,
-            "work_us_per_step",
             "max_steps",
             "num_envs",
             "rows_per_worker",
