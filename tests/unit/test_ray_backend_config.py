@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 import subprocess
 import sys
 
@@ -278,7 +279,7 @@ def test_an_actor_exception_only_ray_could_carry_keeps_its_type_message_and_the_
         assert 'File "source.py", line 7, in rollout' in str(sent)
 
 
-def test_mappings_are_kept_as_plain_dicts_so_the_config_pickles():
+def test_mappings_are_kept_as_dicts_so_the_config_pickles():
     """A MappingProxyType passed validation, then engine.start() failed to pickle it, naming no field."""
     import pickle
     from types import MappingProxyType
@@ -286,5 +287,31 @@ def test_mappings_are_kept_as_plain_dicts_so_the_config_pickles():
     backend = RayBackend(
         resources=MappingProxyType({"sim": 1}), runtime_env=MappingProxyType({"env_vars": {}})
     )
-    assert type(backend.resources) is dict and type(backend.runtime_env) is dict
-    assert pickle.loads(pickle.dumps(backend)) == backend
+    assert isinstance(backend.resources, dict) and isinstance(backend.runtime_env, dict)
+    copy = pickle.loads(pickle.dumps(backend))
+    assert copy == backend and type(copy.resources) is dict and type(copy.runtime_env) is dict
+
+
+def test_a_validated_backend_keeps_its_mappings_as_validated():
+    """The mappings were plain dicts: a change after construction (NaN, a reserved resource) reached
+    Ray unchecked, and a backend could not be hashed."""
+    import dataclasses
+
+    given_resources = {"sim": 1}
+    backend = RayBackend(resources=given_resources, runtime_env={"env_vars": {"A": "1"}})
+    given_resources["sim"] = math.nan  # the caller's dict is not the backend's
+    assert backend.resources == {"sim": 1}
+    message = "RayBackend.resources cannot be changed: the backend was validated with it; make another "
+    for change in (
+        lambda: backend.resources.__setitem__("CPU", -5),
+        lambda: backend.resources.update(sim=math.nan),
+        lambda: backend.resources.pop("sim"),
+        lambda: backend.resources.clear(),
+    ):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            change()
+    with pytest.raises(TypeError, match=re.escape("RayBackend.runtime_env cannot be changed")):
+        del backend.runtime_env["env_vars"]
+    assert backend.resources == {"sim": 1} and backend.runtime_env == {"env_vars": {"A": "1"}}
+    assert hash(RayBackend(resources={"sim": 1})) == hash(RayBackend(resources={"sim": 1.0}))
+    assert dataclasses.replace(backend, resources={"sim": 2}).resources == {"sim": 2}

@@ -34,6 +34,29 @@ _RESERVED_RESOURCES = frozenset(
 fractional amounts per device kind); ``resources`` holds custom resources only."""
 
 
+class _ReadOnlyDict(dict):
+    """A mapping field of a validated :class:`RayBackend`: changes are refused (``TypeError`` naming the
+    field), it pickles as a plain ``dict`` and hashes when its values do."""
+
+    def __init__(self, field_name: str, items: Mapping) -> None:
+        super().__init__(items)
+        self._field_name = field_name
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(
+            f"{_OWNER}.{self._field_name} cannot be changed: the backend was validated with it; make another "
+            f"with dataclasses.replace(backend, {self._field_name}=...)"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.items()))
+
+
 @dataclass(frozen=True)
 class RayBackend:
     """Run ``OnlineDataEngineCfg.num_workers`` producers as Ray actors wherever the cluster places them.
@@ -103,11 +126,12 @@ class RayBackend:
 
     def __post_init__(self) -> None:
         self.validate()
-        # plain dicts: the config is pickled into the ingest process, and some mappings (a
-        # MappingProxyType) cannot be
-        object.__setattr__(self, "resources", dict(self.resources))
+        # read-only copies, so the config stays as validated (a change to the caller's dict, or to
+        # backend.resources, reached Ray unchecked); they pickle as plain dicts into the ingest process,
+        # which a MappingProxyType cannot
+        object.__setattr__(self, "resources", _ReadOnlyDict("resources", self.resources))
         if self.runtime_env is not None:
-            object.__setattr__(self, "runtime_env", dict(self.runtime_env))
+            object.__setattr__(self, "runtime_env", _ReadOnlyDict("runtime_env", self.runtime_env))
 
     def validate(self) -> None:
         """Check every field.
