@@ -383,7 +383,7 @@ def test_evaluation_runs_many_seeds_in_bounded_groups_with_the_same_results(monk
     assert grouped.lengths == whole.lengths == [5] * 4
     assert grouped.successes == whole.successes
     assert grouped.instructions == whole.instructions and len(set(whole.instructions)) > 1
-    assert [len(f) for f in grouped.frames] == [len(f) for f in whole.frames] == [5, 5, 5]
+    assert [len(f) for f in grouped.frames] == [len(f) for f in whole.frames] == [6, 6, 6]  # and the end
     for a, b in zip(grouped.frames, whole.frames):
         np.testing.assert_array_equal(np.stack(a), np.stack(b))
     with pytest.raises(ValueError, match=r"evaluate_policy.max_parallel must be an int >= 1, got 0"):
@@ -542,6 +542,12 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_naming_the_file(tmp_path)
         ({"name": "a/b"}, "DemoConfig.name must be a folder name"),
         ({"task": "nope"}, "task must be one of"),
         ({"execute_steps": 0}, "RolloutConfig.execute_steps must be an int >= 1"),
+        # the checks during training run seeds from offset 10000: more would evaluate on seeds they ran
+        ({"eval_episodes": 10_001}, "DemoConfig.eval_episodes must be an int in [1, 10000], got 10001"),
+        (
+            {"eval_episodes_during": 10_001},
+            "DemoConfig.eval_episodes_during must be an int in [0, 10000], got 10001",
+        ),
         (
             {"ensemble_decay": None, "horizon": 4, "execute_steps": 8},
             "DemoConfig.execute_steps must be an int in [1, 4], got 8",

@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import imageio.v3 as iio
 import pytest
 import torch
 
@@ -78,6 +79,8 @@ def test_eval_reproduces_the_demo_result_and_writes_a_gif(quick_run, tmp_path, c
     demo = json.loads((quick_run / "summary.json").read_text())["final_eval"]
     assert result["successes"] == demo["successes"]  # same seeds, same policy, same episodes
     assert video.read_bytes()[:6] in (b"GIF87a", b"GIF89a")
+    frames = iio.imread(video)  # the state before each action, then the one the episode ended in
+    assert frames.shape[:3] == (result["episode_length"][0] + 1, 48, 48)
     assert "success" in capsys.readouterr().out
 
 

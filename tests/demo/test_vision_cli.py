@@ -103,8 +103,8 @@ def test_eval_of_a_vision_checkpoint_reproduces_it_and_records_both_views(
     result = json.loads(out.read_text())
     demo = json.loads((vision_run / "summary.json").read_text())["final_eval"]
     assert result["policy"] == "vision" and result["successes"] == demo["successes"]
-    frame = iio.imread(video, index=0)
-    assert frame.shape[:2] == (48, 48 * 3)  # front camera, then the policy's front and wrist views
+    frames = iio.imread(video)  # every frame: the state before each action, then the one it ended in
+    assert frames.shape[:3] == (result["episode_length"][0] + 1, 48, 48 * 3)  # front, then the policy's views
     assert "success" in capsys.readouterr().out
 
 

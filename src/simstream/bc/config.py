@@ -17,6 +17,11 @@ from .vision import MAX_CHANNELS, OBJECT_DIM, VisionPolicyConfig
 __all__ = ["QUICK_OVERRIDES", "QUICK_VISION_OVERRIDES", "VISION_OVERRIDES", "DemoConfig"]
 
 
+DURING_TRAINING_SEED_OFFSET = 10_000
+"""Checks during training use ``eval_seeds(n, offset=10_000)``: disjoint from the final evaluation's
+``[0, eval_episodes)``, which is at most this many."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Stream expert episodes into a live behaviour-cloning run, evaluate the policy, write a report.
@@ -150,11 +155,15 @@ class DemoConfig:
     """Truncation of evaluation episodes (and the producers' row capacity), at least 100 (20 Hz)."""
 
     def __post_init__(self) -> None:
-        positive = (
-            "buffer_size", "num_workers", "steps", "batch_size", "eval_every", "eval_episodes",
-        )  # fmt: skip
+        positive = ("buffer_size", "num_workers", "steps", "batch_size", "eval_every")
         for name in positive:
             require_int("DemoConfig", name, getattr(self, name), 1)
+        # the final evaluation's seeds are offsets [0, eval_episodes), the checks' start at the offset
+        # below: more episodes would evaluate on seeds the checks during training had already run
+        require_int("DemoConfig", "eval_episodes", self.eval_episodes, 1, DURING_TRAINING_SEED_OFFSET)
+        require_int(
+            "DemoConfig", "eval_episodes_during", self.eval_episodes_during, 0, DURING_TRAINING_SEED_OFFSET
+        )
         require_int("DemoConfig", "num_threads", self.num_threads, 1, MAX_TORCH_THREADS)
         # the scripted experts take up to ~80 steps (150 seeds per task); shorter rows cannot hold a success
         require_int("DemoConfig", "max_episode_steps", self.max_episode_steps, 100)
@@ -188,8 +197,7 @@ class DemoConfig:
                 self.execute_steps,
                 "Add --ensemble-decay None for chunk execution, or leave the option out",
             )  # fmt: skip
-        for name in ("refill_threshold", "eval_episodes_during"):
-            require_int("DemoConfig", name, getattr(self, name), 0)
+        require_int("DemoConfig", "refill_threshold", self.refill_threshold, 0)
         require_int("DemoConfig", "idle_threads", self.idle_threads, 0, MAX_TORCH_THREADS)
         require_int("DemoConfig", "seed", self.seed, 0, INT64_MAX)
         self.engine_backend  # noqa: B018  (validates backend and ray_address)

@@ -90,8 +90,9 @@ class EvalResult:
     lengths: list[int]
     instructions: list[str]
     frames: list[list[np.ndarray]] = field(default_factory=list)
-    """Rendered ``[H, W, 3]`` frames per recorded episode (only with ``record``): the front camera, and for
-    a vision policy its own cameras beside it (scaled up to the same height)."""
+    """Rendered ``[H, W, 3]`` frames per recorded episode (only with ``record``), ``length + 1`` of them (the
+    state before each action, then the one it ended in): the front camera, and for a vision policy its own
+    cameras beside it (scaled up to the same height)."""
     strips: dict[str, tuple[int, list[np.ndarray]]] = field(default_factory=dict)
     """Vision policies with ``keep_strips``: ``"success"`` / ``"failure"`` -> ``(seed, frames)`` of the
     first such episode, what the policy saw every :data:`STRIP_EVERY` steps (``[S, S * cameras, 3]``)."""
@@ -219,7 +220,8 @@ def evaluate_policy(
         task: A built-in task name.
         seeds: ``TaskEnv.reset`` seeds, one episode each.
         rollout: Chunk execution settings (default :class:`RolloutConfig`).
-        record: Render the first ``record`` episodes from the front camera (for a video); a vision
+        record: Render the first ``record`` episodes from the front camera (for a video): the state
+            before every action and the state the episode ended in (``length + 1`` frames); a vision
             policy's own camera frames are shown beside it.
         image_size: Side of the rendered front frames.
         keep_strips: Keep what a vision policy saw in its first successful and first failed episode.
@@ -297,6 +299,16 @@ def _evaluate_group(
         frames: list[list[np.ndarray]] = [[] for _ in range(min(record, n))]
         seen: list[list[np.ndarray]] = [[] for _ in range(n)]
         strips: dict[str, tuple[int, list[np.ndarray]]] = {}
+
+        def video_frame(i: int, views: list[np.ndarray] | None) -> np.ndarray:
+            video[i].update_scene(envs[i].scene.data, camera="front")
+            front = video[i].render().copy()
+            return _side_by_side(front, views) if views is not None else front
+
+        def final_views(i: int) -> list[np.ndarray]:
+            final = _frame_inputs(policy, envs, observations, [i])
+            return [final[camera][0].numpy() for camera in policy.config.cameras]
+
         for step in range(rollout.max_episode_steps):
             active = [i for i in range(n) if not done[i]]
             if not active:
@@ -312,9 +324,7 @@ def _evaluate_group(
             finished = 0
             for i in active:
                 if i < len(frames):
-                    video[i].update_scene(envs[i].scene.data, camera="front")
-                    front = video[i].render().copy()
-                    frames[i].append(_side_by_side(front, views[i]) if vision else front)
+                    frames[i].append(video_frame(i, views.get(i)))
                 if keep_strips and step % STRIP_EVERY == 0:
                     seen[i].append(np.concatenate(views[i], axis=2).transpose(1, 2, 0))
                 obs, _, terminated, truncated, info = envs[i].step(executor.pop(i).astype(np.float32))
@@ -322,6 +332,8 @@ def _evaluate_group(
                 if terminated or truncated:
                     done[i], successes[i] = True, bool(info["success"])
                     finished += 1
+                    if i < len(frames):  # the state it ended in: the cube placed, or where the limit left it
+                        frames[i].append(video_frame(i, final_views(i) if vision else None))
                     if keep_strips:
                         strips.setdefault("success" if successes[i] else "failure", (seeds[i], seen[i]))
                         seen[i] = []

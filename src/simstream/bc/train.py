@@ -17,7 +17,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 from tqdm import tqdm
 
-from .config import DemoConfig
+from .config import DURING_TRAINING_SEED_OFFSET, DemoConfig
 from .data import InstructionTable, context_batch
 from .evaluate import eval_seeds, evaluate_policy
 from .policy import ChunkPolicy, masked_chunk_loss
@@ -43,8 +43,6 @@ __all__ = [
     "weight_average",
 ]
 
-DURING_TRAINING_SEED_OFFSET = 10_000
-"""Checks during training use ``eval_seeds(n, offset=10_000)``: disjoint from the final evaluation."""
 _STREAM_EVERY_S = 2.0
 _BATCH_TIMEOUT_S = 300.0
 """Bound of one wait for a training batch (the sampler's own bounded waits and producer checks run inside)."""

@@ -187,7 +187,7 @@ def run_eval(args: EvalArgs) -> dict:
         views = len(checkpoint.policy.config.cameras) if isinstance(checkpoint.policy, VisionPolicy) else 0
         frame_bytes = 3 * args.image_size * args.image_size * (1 + views)
         require_batch_fits(
-            record, 2 * rollout.max_episode_steps * frame_bytes,
+            record, 2 * (rollout.max_episode_steps + 1) * frame_bytes,
             f"EvalArgs.video: {record} episode(s) of up to {rollout.max_episode_steps} frames of "
             f"{args.image_size} x {args.image_size * (1 + views)} pixels", batch="video",
             limit="--video-episodes", hint=" (or lower --image-size)",
