@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pathlib
 import platform
 import statistics
 import time
@@ -270,3 +271,15 @@ def require_positive(args: object, *names: str) -> None:
             flag = "--" + name.replace("_", "-")
             kind = "one or more finite numbers" if isinstance(value, tuple) else "a finite number"
             raise ValueError(f"{flag} must be {kind} > 0, got {value!r}")
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest cache (Linux sysfs), or ``None`` when unknown."""
+    sizes = []
+    for entry in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        if text.endswith("K"):
+            sizes.append(int(text[:-1]) * 1024)
+        elif text.endswith("M"):
+            sizes.append(int(text[:-1]) * 2**20)
+    return max(sizes) if sizes else None

@@ -3,7 +3,8 @@
 Run: ``python benchmarks/huge_pages.py`` (``--quick``: seconds, figures meaningless). It copies 256 random
 32-frame windows of a low-dim frame
 (92 float32, the reference workload's payload) out of a 128-episode and a 4096-episode buffer, with the
-cache warm (back-to-back calls) and flushed (64 MiB streamed through it before each call), from:
+cache warm (back-to-back calls) and flushed (twice the last-level cache streamed through it before each call),
+from:
 
 * ``torch shared memory``: ``share_memory_()``, what the engine uses (4 KiB pages);
 * ``memfd + MADV_HUGEPAGE``: a ``memfd_create`` file mapped by torch and advised to use transparent huge
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from _timing import Table, main_of, percentile, print_header, set_single_thread
+from _timing import Table, last_level_cache_bytes, main_of, percentile, print_header, set_single_thread
 
 MADV_HUGEPAGE = 14
 STEPS, FLOATS, BATCH, CHUNK = 300, 92, 256, 32
@@ -120,7 +121,8 @@ def run(args: Args) -> int:
             buffer.fill_(1)
             gathers[label, episodes] = _Gather(buffer, episodes)
         obtained[label] = _shmem_huge_kib() - before
-    scratch = torch.ones(16 * 2**20)  # 64 MiB: twice a 32 MiB last-level cache
+    # twice the last-level cache (64 MiB where it is unknown): 64 MiB left machine B's 105 MiB cache warm
+    scratch = torch.ones(2 * (last_level_cache_bytes() or 32 * 2**20) // 4)
     sink = torch.empty_like(scratch)
     try:
         for _ in range(rounds):

@@ -33,6 +33,7 @@ from _timing import (
     call_rate,
     check,
     interleaved_rates,
+    last_level_cache_bytes,
     latency_ms,
     main_of,
     percentile,
@@ -453,18 +454,6 @@ def latency_section(args: Args, engine, workload: Workload, title: str) -> None:
     targets.row("p99 under publication / idle p99", value, "<= 3", check(value, 3.0, higher_is_better=False))
 
 
-def _last_level_cache_bytes() -> int | None:
-    """Size of the CPU's largest cache (Linux sysfs), or ``None`` when unknown."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip()
-        if text.endswith("K"):
-            sizes.append(int(text[:-1]) * 1024)
-        elif text.endswith("M"):
-            sizes.append(int(text[:-1]) * 2**20)
-    return max(sizes) if sizes else None
-
-
 def _cold_cache_ms(
     candidates: dict[str, Callable[[], object]], calls: int, evict_bytes: int
 ) -> dict[str, float]:
@@ -506,7 +495,7 @@ class _SizeTimes(NamedTuple):
 
 def scaling_section(args: Args, workload: Workload) -> None:
     """Every buffer size lives at once, so all sizes are measured in the same interleaved rounds."""
-    cache = _last_level_cache_bytes()
+    cache = last_level_cache_bytes()
     evict = 2 * (cache or 32 * 2**20)
     calls = 30 if args.quick else 300
     engines = {}
