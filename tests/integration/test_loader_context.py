@@ -84,15 +84,20 @@ def test_loader_without_workers_samples_in_process():
         assert (first == again).all()
 
 
-def test_an_error_in_a_worker_reaches_the_trainer_with_its_type_and_message():
-    def fail(batch):
-        raise ValueError("transform failed in the worker")
+def _fail_in_the_worker(batch):
+    raise ValueError("transform failed in the worker")
 
+
+def _failing_loader(engine: OnlineDataEngine):
+    """Two fork workers whose transform raises on every batch."""
+    return OnlineDataset(engine, chunk_size=2, batch_size=4, transform=_fail_in_the_worker).loader(
+        num_workers=2, multiprocessing_context="fork", timeout=60
+    )
+
+
+def test_an_error_in_a_worker_reaches_the_trainer_with_its_type_and_message():
     with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
-        loader = OnlineDataset(engine, chunk_size=2, batch_size=4, transform=fail).loader(
-            num_workers=2, multiprocessing_context="fork", timeout=60
-        )
-        iterator = iter(loader)
+        iterator = iter(_failing_loader(engine))
         try:
             with pytest.raises(ValueError, match="transform failed in the worker"):
                 next(iterator)
@@ -620,14 +625,8 @@ def test_a_loader_collected_with_its_error_tells_its_workers_to_exit(monkeypatch
     the workers, which exit on its message instead of being terminated after a 5-s join."""
     ignored = []
     monkeypatch.setattr(sys, "unraisablehook", ignored.append)
-
-    def fail(batch):
-        raise ValueError("transform failed in the worker")
-
     with OnlineDataEngine(make_cfg(refill_policy="manual")) as engine:
-        loader = OnlineDataset(engine, chunk_size=2, batch_size=4, transform=fail).loader(
-            num_workers=2, multiprocessing_context="fork", timeout=60
-        )
+        loader = _failing_loader(engine)
         iterator = iter(loader)
         workers = list(iterator._workers)
         try:

@@ -16,7 +16,7 @@ import torch
 
 from simstream._runs import FOLDER_NAME_RULE
 from simstream.rl import APPOConfig, APPORunner, CollectorDiedError, RunnerConfig
-from simstream.rl.ring import READY
+from simstream.rl.ring import READY, WRITING
 from tests.rl.collectors import ToyRunner
 from tests.rl.fault_env import env_id
 from tests.support.processes import wait_for_exit
@@ -147,6 +147,15 @@ def test_async_policy_lag_cap_drops_stale_rollouts_and_counts_them():
     assert all(r["rl/policy_lag"] == 0 for r in runner.history)
 
 
+def _wait_for_a_slot(runner: APPORunner, state: int, failure: str) -> None:
+    """Until a slot of the runner's ring is in ``state``: a bounded poll (nothing tells when the collector
+    claims or commits one)."""
+    deadline = time.monotonic() + 60
+    while state not in runner.ring.states():
+        assert time.monotonic() < deadline, failure
+        threading.Event().wait(0.001)
+
+
 @pytest.mark.parametrize("mode", ["sync", "serial"])
 def test_a_lock_step_rollout_older_than_the_lag_cap_after_a_load_checkpoint_is_trained_on(mode, tmp_path):
     """A sync collector makes its next rollout only once the learner trained on this one, and waits for a
@@ -161,10 +170,7 @@ def test_a_lock_step_rollout_older_than_the_lag_cap_after_a_load_checkpoint_is_t
         runner.learn(1, log_dir=None)
         path = runner.save_checkpoint(str(tmp_path / "model.pt"))
         if mode == "sync":  # the collector is making its next rollout, with version 1
-            deadline = time.monotonic() + 60
-            while 1 not in runner.ring.states():  # WRITING; a bounded poll: nothing tells when it claims
-                assert time.monotonic() < deadline, "the collector began no next rollout"
-                threading.Event().wait(0.001)
+            _wait_for_a_slot(runner, WRITING, "the collector began no next rollout")
         runner.load_checkpoint(path)
         assert runner.policy_version == 2
         summary = runner.learn(1, log_dir=None)
@@ -183,10 +189,7 @@ def test_sync_mode_drops_a_rollout_of_replaced_weights_after_a_load_checkpoint_a
     with APPORunner(cfg) as runner:
         runner.learn(1, log_dir=None)
         path = runner.save_checkpoint(str(tmp_path / "model.pt"))
-        deadline = time.monotonic() + 60
-        while READY not in runner.ring.states():  # the collector waits for version 2
-            assert time.monotonic() < deadline, "the collector committed no next rollout"
-            threading.Event().wait(0.001)
+        _wait_for_a_slot(runner, READY, "the collector committed no next rollout")  # it waits for version 2
         runner.load_checkpoint(path)
         assert runner.policy_version == 2
         summary = runner.learn(3, log_dir=None)
