@@ -86,10 +86,12 @@ if sys.argv[2:] == ["fork"]:  # a DataLoader worker forked by the recording proc
     running, running_w = os.pipe()
     child = os.fork()
     if child == 0:
+        os.close(running)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         os.write(running_w, b"x")  # its at-fork hooks have run (a child not yet scheduled holds the lock)
         sys.stdin.readline()  # until the test closes stdin
         os._exit(0)
+    os.close(running_w)  # a child that died first reads as EOF, not as a wait for ever
     assert os.read(running, 1) == b"x"
     print("child", child, flush=True)
 print("open", flush=True)

@@ -155,8 +155,10 @@ def _corrupted(good: dict, entry: str) -> dict:
         state["learner"]["target_normalizer"] = {"bogus": 1}
     elif entry == "optimizer":
         del state["learner"]["optimizer"]
+    elif entry == "updates":
+        state["learner"]["updates"] = float("inf")  # int() raises OverflowError
     else:
-        state[entry] = "x"
+        state[entry] = float("inf") if entry == "iterations" else "x"
     return state
 
 
@@ -173,6 +175,8 @@ def _corrupted(good: dict, entry: str) -> dict:
         ),
         ("policy_version", "its policy_version is not an integer ('x')"),
         ("env_frames", "its env_frames is not an integer ('x')"),
+        ("iterations", "its iterations is not an integer (inf)"),
+        ("updates", "its learner state cannot be restored (OverflowError: "),
     ],
 )
 def test_a_checkpoint_that_fails_half_way_leaves_the_runner_as_it_was(tmp_path, entry, message):

@@ -382,6 +382,35 @@ def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_lear
     assert runner.ring.stats().consumed == 3
 
 
+def test_a_load_checkpoint_drops_the_batch_a_ctrl_c_left_untrained(monkeypatch, ctrl_c_raises, tmp_path):
+    """The batch a Ctrl-C left taken was made by the policy the load replaces: trained after the load, it
+    pushed out (as stale) the collector's rollout made with the loaded weights, at policy lag 1."""
+    import signal
+
+    from simstream.rl.ring import RolloutRing
+
+    gather, calls = RolloutRing.gather, {"count": 0}
+
+    def interrupted_gather(ring, taken):
+        out = gather(ring, taken)
+        calls["count"] += 1
+        if calls["count"] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(RolloutRing, "gather", interrupted_gather)
+    cfg = _tiny(mode="sync", runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
+    with APPORunner(cfg) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.learn(10, log_dir=None)
+        assert runner._untrained is not None
+        runner.load_checkpoint(runner.save_checkpoint(str(tmp_path / "model.pt")))
+        assert runner._untrained is None
+        summary = runner.learn(2, log_dir=None)
+    assert summary["status"] == "completed" and summary["dropped_stale"] == 0
+    assert [row["rl/policy_lag_max"] for row in runner.history[1:]] == [0.0, 0.0]
+
+
 def test_runs_with_neighbouring_seeds_start_no_environment_alike():
     """Gymnasium seeds environment i with seed + i: runs with seeds 0 and 1 shared 15 of 16 environments'
     starts, which made a multi-seed comparison far less independent than it claimed."""

@@ -315,3 +315,7 @@ def test_a_validated_backend_keeps_its_mappings_as_validated():
     assert backend.resources == {"sim": 1} and backend.runtime_env == {"env_vars": {"A": "1"}}
     assert hash(RayBackend(resources={"sim": 1})) == hash(RayBackend(resources={"sim": 1.0}))
     assert dataclasses.replace(backend, resources={"sim": 2}).resources == {"sim": 2}
+    # configs are logged with asdict, which rebuilds a dict subclass from its pairs
+    assert dataclasses.asdict(backend)["resources"] == {"sim": 1}
+    cfg = OnlineDataEngineCfg(source=ScriptedSpec(), backend=backend)
+    assert dataclasses.asdict(cfg)["backend"]["runtime_env"] == {"env_vars": {"A": "1"}}

@@ -36,9 +36,11 @@ fractional amounts per device kind); ``resources`` holds custom resources only."
 
 class _ReadOnlyDict(dict):
     """A mapping field of a validated :class:`RayBackend`: changes are refused (``TypeError`` naming the
-    field), it pickles as a plain ``dict`` and hashes when its values do."""
+    field), it pickles as a plain ``dict`` and hashes when its values do. Shallow: a nested mapping of
+    ``runtime_env`` is the caller's own."""
 
-    def __init__(self, field_name: str, items: Mapping) -> None:
+    def __init__(self, items=(), field_name: str = "mapping") -> None:
+        # (items) alone too: dataclasses.asdict rebuilds a dict subclass from its pairs
         super().__init__(items)
         self._field_name = field_name
 
@@ -129,9 +131,9 @@ class RayBackend:
         # read-only copies, so the config stays as validated (a change to the caller's dict, or to
         # backend.resources, reached Ray unchecked); they pickle as plain dicts into the ingest process,
         # which a MappingProxyType cannot
-        object.__setattr__(self, "resources", _ReadOnlyDict("resources", self.resources))
+        object.__setattr__(self, "resources", _ReadOnlyDict(self.resources, "resources"))
         if self.runtime_env is not None:
-            object.__setattr__(self, "runtime_env", _ReadOnlyDict("runtime_env", self.runtime_env))
+            object.__setattr__(self, "runtime_env", _ReadOnlyDict(self.runtime_env, "runtime_env"))
 
     def validate(self) -> None:
         """Check every field.

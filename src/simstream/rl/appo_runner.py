@@ -489,18 +489,21 @@ class APPORunner(AsyncRunner):
         for key in ("policy_version", "iterations", "trained_frames", "env_frames"):
             try:
                 counts[key] = int(state[key])
-            except (TypeError, ValueError) as error:
+            except (TypeError, ValueError, OverflowError) as error:
                 raise ValueError(f"{path}: its {key} is not an integer ({state[key]!r})") from error
         # all or nothing for a Ctrl-C: a publish cut short left the collector a half-written policy (it
         # gave up reading it after 5 s and died), a load cut short a model no counter described
         with ctrl_c_deferred():
             try:
                 self.learner.load_state_dict(state["learner"])  # all or nothing too
-            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as error:
                 raise ValueError(
                     f"{path}: its learner state cannot be restored ({type(error).__name__}: {error}); "
                     "the runner is unchanged"
                 ) from error
+            # a batch a Ctrl-C left taken holds the replaced policy's rollout (and its log-probabilities):
+            # trained after the load, it pushed out the collector's rollout made with the loaded weights
+            self._untrained = None
             restored = counts["policy_version"]
             self.policy_version = restored if self.weights is None else max(restored, self.policy_version + 1)
             self.iterations_done = counts["iterations"]

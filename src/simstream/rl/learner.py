@@ -220,8 +220,11 @@ class APPOLearner:
         previous = copy.deepcopy(self.state_dict())
         try:
             self._restore(state, shuffle)
-        except BaseException:
-            self._restore(previous, previous["shuffle"])
+        except BaseException as error:
+            try:
+                self._restore(previous, previous["shuffle"])
+            except BaseException as undo:
+                error.add_note(f"and putting the learner back failed too ({type(undo).__name__}: {undo})")
             raise
 
     def _restore(self, state: dict, shuffle: torch.Tensor | None) -> None:
