@@ -349,10 +349,8 @@ def test_a_serial_rollout_cut_short_gives_its_ring_slot_back(ctrl_c_raises):
     assert summary["status"] == "completed" and summary["iterations"] == 3
 
 
-def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_learn(monkeypatch, ctrl_c_raises):
-    """A Ctrl-C just after a rollout was copied out of the ring, before its update, lost it: the sync
-    collector then waited for a newer policy and the learner for a rollout, and every later learn()
-    timed out. The rollout is now kept and trained on first by the next learn()."""
+def _ctrl_c_after_the_second_gather(monkeypatch) -> None:
+    """A Ctrl-C lands just after the second rollout was copied out of the ring, before its update."""
     import signal
 
     from simstream.rl.ring import RolloutRing
@@ -367,6 +365,13 @@ def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_lear
         return out
 
     monkeypatch.setattr(RolloutRing, "gather", interrupted_gather)
+
+
+def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_learn(monkeypatch, ctrl_c_raises):
+    """A Ctrl-C just after a rollout was copied out of the ring, before its update, lost it: the sync
+    collector then waited for a newer policy and the learner for a rollout, and every later learn()
+    timed out. The rollout is now kept and trained on first by the next learn()."""
+    _ctrl_c_after_the_second_gather(monkeypatch)
     cfg = _tiny(mode="sync", runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
     with APPORunner(cfg) as runner:
         with pytest.raises(KeyboardInterrupt):
@@ -385,20 +390,7 @@ def test_a_sync_rollout_taken_when_a_ctrl_c_lands_is_trained_on_by_the_next_lear
 def test_a_load_checkpoint_drops_the_batch_a_ctrl_c_left_untrained(monkeypatch, ctrl_c_raises, tmp_path):
     """The batch a Ctrl-C left taken was made by the policy the load replaces: trained after the load, it
     pushed out (as stale) the collector's rollout made with the loaded weights, at policy lag 1."""
-    import signal
-
-    from simstream.rl.ring import RolloutRing
-
-    gather, calls = RolloutRing.gather, {"count": 0}
-
-    def interrupted_gather(ring, taken):
-        out = gather(ring, taken)
-        calls["count"] += 1
-        if calls["count"] == 2:
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(RolloutRing, "gather", interrupted_gather)
+    _ctrl_c_after_the_second_gather(monkeypatch)
     cfg = _tiny(mode="sync", runner=RunnerConfig(shutdown_timeout_s=10.0, data_timeout_s=30.0))
     with APPORunner(cfg) as runner:
         with pytest.raises(KeyboardInterrupt):
