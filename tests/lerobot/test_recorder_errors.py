@@ -39,6 +39,11 @@ def engine():
         ({"writer_niceness": 20}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got 20"),
         ({"writer_niceness": 5.0}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got 5.0"),
         ({"writer_niceness": True}, "LeRobotRecorder.writer_niceness must be an int in [0, 19], got True"),
+        # accepted as truthy before: "no" recorded videos, "False" only successes
+        ({"video": "no"}, "LeRobotRecorder.video must be True or False, got 'no'"),
+        ({"only_success": "False"}, "LeRobotRecorder.only_success must be True or False, got 'False'"),
+        ({"robot_type": ""}, "LeRobotRecorder.robot_type must be None or a nonempty string, got ''"),
+        ({"robot_type": 7}, "LeRobotRecorder.robot_type must be None or a nonempty string, got 7"),
     ],
 )
 def test_bad_settings(engine, tmp_path, kwargs, fragment):

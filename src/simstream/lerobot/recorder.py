@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validation import require_int, require_number
+from .._validation import require, require_int, require_number
 from .format import features_from_fields
 from .names import KeyMap
 from .writer import DatasetWriter, EpisodeRecord
@@ -168,6 +168,12 @@ class LeRobotRecorder:
             raise ValueError(f"LeRobotRecorder.flush_every must be an int >= 1, got {flush_every!r}")
         require_number("LeRobotRecorder", "flush_interval_s", flush_interval_s, 0, 3600, low_open=True)
         require_int("LeRobotRecorder", "writer_niceness", writer_niceness, 0, 19)
+        for name, value in (("video", video), ("only_success", only_success)):  # "no" was true
+            require(type(value) is bool, "LeRobotRecorder", name, "True or False", value)
+        require(
+            robot_type is None or (isinstance(robot_type, str) and robot_type.strip() != ""),
+            "LeRobotRecorder", "robot_type", "None or a nonempty string", robot_type,
+        )  # fmt: skip
         self.engine = engine
         self._shared = engine._shared
         self.features = features_from_fields(dict(spec.fields()), KeyMap(key_map), video)
