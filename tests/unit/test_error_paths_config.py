@@ -229,6 +229,18 @@ def test_online_dataset_names_the_bad_argument(kwargs, error, message):
         OnlineDataset(None, **{"chunk_size": 2, **kwargs})
 
 
+def test_online_dataset_takes_a_numpy_chunk_size_as_sample_batch_does():
+    import numpy as np
+
+    cfg = make_cfg(ScriptedSpec(), buffer_size=2, num_workers=1, refill_policy="manual")
+    with OnlineDataEngine(cfg) as engine:
+        dataset = OnlineDataset(engine, chunk_size=np.int64(4), batch_size=3, seed=0)
+        batch = next(iter(dataset))
+    assert type(dataset.chunk_size) is int and tuple(batch["actions"].shape[:2]) == (3, 4)
+    with pytest.raises(ValueError, match=re.escape("chunk_size must be ≥ 1, got 0.")):
+        OnlineDataset(None, chunk_size=np.int32(0))
+
+
 @pytest.mark.parametrize(
     ("num_workers", "message"),
     [(-1, "num_workers must be an int >= 0, got -1."), (1.0, "num_workers must be an int >= 0, got 1.0.")],

@@ -101,6 +101,8 @@ class OnlineDataset(IterableDataset):
         keys: str | Sequence[str | tuple[str, ...]] | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
+            chunk_size = int(chunk_size)  # a NumPy int, as sample_batch takes it
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, ChunkSizeSampler)):
             raise TypeError(
                 f"chunk_size must be an int or a ChunkSizeSampler, got {type(chunk_size).__name__}."
