@@ -40,6 +40,15 @@ def require(ok: bool, owner: str, name: str, accepted: str, value: object, conse
         raise ValueError(f"{message}. {consequence}" if consequence else message)
 
 
+def require_default(config: object, owner: str, name: str, when: str, consequence: str) -> None:
+    """Raise ``ValueError("<owner>.<name> must be <default> (its default) <when>, got <value!r>")`` unless
+    field ``name`` of the dataclass ``config`` holds its default: an option that has no effect ``when``
+    would be accepted, ignored, and recorded as if applied."""
+    default = type(config).__dataclass_fields__[name].default
+    value = getattr(config, name)
+    require(value == default, owner, name, f"{default!r} (its default) {when}", value, consequence)
+
+
 def require_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
     """Raise ``ValueError("<owner>.<name> must be an int >= low, got value")`` unless ``value`` fits.
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from .._runs import FOLDER_NAME_RULE, is_folder_name
-from .._validation import MAX_TORCH_THREADS, require, require_int, require_number
+from .._validation import MAX_TORCH_THREADS, require, require_default, require_int, require_number
 from ..config import INT64_MAX
 from .evaluate import RolloutConfig
 from .policy import MAX_CONTEXT_STEPS, NETWORK_SIZE_BOUNDS, PolicyConfig
@@ -187,14 +187,12 @@ class DemoConfig:
             )
         if self.ensemble_decay is None and type(self.execute_steps) is int:  # chunks hold horizon actions
             require_int("DemoConfig", "execute_steps", self.execute_steps, 1, self.horizon)
-        else:  # accepted and ignored, it was recorded in summary.json and the checkpoint as if applied
-            default = type(self).__dataclass_fields__["execute_steps"].default
-            in_range = type(self.execute_steps) is int and self.execute_steps >= 1  # else RolloutConfig's
-            require(
-                not in_range or self.execute_steps == default, "DemoConfig", "execute_steps",
-                f"{default!r} (its default) with temporal ensembling "
-                f"(ensemble_decay={self.ensemble_decay!r}), which executes one action of every chunk",
-                self.execute_steps,
+        elif type(self.execute_steps) is int and self.execute_steps >= 1:  # else RolloutConfig's message
+            # accepted and ignored, it was recorded in summary.json and the checkpoint as if applied
+            require_default(
+                self, "DemoConfig", "execute_steps",
+                f"with temporal ensembling (ensemble_decay={self.ensemble_decay!r}), which executes one "
+                "action of every chunk",
                 "Add --ensemble-decay None for chunk execution, or leave the option out",
             )  # fmt: skip
         require_int("DemoConfig", "refill_threshold", self.refill_threshold, 0)
@@ -269,11 +267,10 @@ class DemoConfig:
         if self.vision:
             return
         for name in _VISION_ONLY:
-            default = type(self).__dataclass_fields__[name].default
-            require(
-                getattr(self, name) == default, "DemoConfig", name,
-                f"{default!r} (its default) without --vision (vision=False): it applies to the camera policy "
-                "only", getattr(self, name), "Add --vision, or leave the option out",
+            require_default(
+                self, "DemoConfig", name,
+                "without --vision (vision=False): it applies to the camera policy only",
+                "Add --vision, or leave the option out",
             )  # fmt: skip
 
     def _check_device(self) -> None:

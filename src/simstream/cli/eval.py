@@ -16,7 +16,14 @@ from typing import Annotated
 import tyro
 
 from .._files import write_whole
-from .._validation import MAX_TORCH_THREADS, require, require_int, require_number, require_writable
+from .._validation import (
+    MAX_TORCH_THREADS,
+    require,
+    require_default,
+    require_int,
+    require_number,
+    require_writable,
+)
 from ._report import exit_code, options_checked
 
 __all__ = ["EvalArgs", "main", "run_eval"]
@@ -104,11 +111,9 @@ class EvalArgs:
         applied."""
         if self.video is None:
             for name in ("video_episodes", "image_size", "fps"):
-                default = type(self).__dataclass_fields__[name].default
-                require(
-                    getattr(self, name) == default, "EvalArgs", name,
-                    f"{default!r} (its default) without --video: it applies to the video only",
-                    getattr(self, name), "Add --video PATH, or leave the option out",
+                require_default(
+                    self, "EvalArgs", name, "without --video: it applies to the video only",
+                    "Add --video PATH, or leave the option out",
                 )  # fmt: skip
         require(
             self.execute_steps is None or self.ensemble_decay is None, "EvalArgs", "execute_steps",
